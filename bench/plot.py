@@ -1,0 +1,50 @@
+"""Plots kccl benchmark JSON into a PNG.  Usage: plot.py KIND JSON PNG.
+
+Run by `kccl bench ... --plot` with /usr/bin/python3 (Debian's matplotlib).
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def broadcast(records, png):
+    sizes = sorted({r["size"] for r in records})
+    recvs = sorted({r["receivers"] for r in records})
+    paths = sorted({r["path"] for r in records})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    big = max(sizes)
+    for p in paths:
+        rows = sorted((r for r in records if r["path"] == p and r["size"] == big), key=lambda r: r["receivers"])
+        x = [r["receivers"] for r in rows]
+        axes[0].plot(x, [r["p50_us"] for r in rows], marker="o", label=f"{p} p50")
+        axes[0].plot(x, [r["p99_us"] for r in rows], marker="x", linestyle="--", label=f"{p} p99")
+    axes[0].set(title=f"latency vs receivers ({big} B packets)", xlabel="receivers", ylabel="µs")
+    most = max(recvs)
+    for p in paths:
+        rows = sorted((r for r in records if r["path"] == p and r["receivers"] == most), key=lambda r: r["size"])
+        x = [r["size"] for r in rows]
+        axes[1].plot(x, [r["p50_us"] for r in rows], marker="o", label=f"{p} p50")
+        axes[1].plot(x, [r["p99_us"] for r in rows], marker="x", linestyle="--", label=f"{p} p99")
+    axes[1].set(title=f"latency vs packet size ({most} receivers)", xlabel="UDP payload bytes", ylabel="µs")
+    for p in paths:
+        rows = sorted((r for r in records if r["path"] == p and r["size"] == big), key=lambda r: r["receivers"])
+        axes[2].plot([r["receivers"] for r in rows], [r["sender_cpu_us"] for r in rows], marker="o", label=p)
+    axes[2].set(title="sender CPU per broadcast", xlabel="receivers", ylabel="µs CPU")
+    for a in axes:
+        a.grid(True, alpha=0.3)
+        a.legend()
+        a.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+KINDS = {"broadcast": broadcast}
+
+if __name__ == "__main__":
+    kind, src, dst = sys.argv[1:4]
+    with open(src) as f:
+        KINDS[kind](json.load(f), dst)

@@ -1,0 +1,59 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * kccl wire format: the ONE definition of every byte kccl puts on the wire.
+ *
+ * A kccl datagram is an ordinary UDP/IPv4 datagram whose payload starts with
+ * struct kccl_hdr, followed by payload_len bytes of message data.  All
+ * multi-byte fields are big-endian (network order) so that a receiver in any
+ * language can parse them with a fixed format string (Python: "!IBBHIHHQIIIHH").
+ *
+ * The Rust runtime (crates/kccl/src/wire.rs) encodes/decodes this layout; its
+ * tests check the skeleton-generated copy of this struct (size, offsets) and
+ * golden bytes, so the two cannot drift apart silently.
+ */
+#ifndef KCCL_WIRE_H
+#define KCCL_WIRE_H
+
+#define KCCL_MAGIC	0x4b43434cU	/* "KCCL" */
+#define KCCL_VERSION	1
+
+/* kccl_hdr.type */
+enum kccl_msg_type {
+	KCCL_T_BCAST = 1,	/* broadcast data fragment */
+};
+
+/* kccl_hdr.flags (bit values, host order; on the wire big-endian) */
+enum kccl_hdr_flag {
+	/* The sender asks the TC egress program to fan this packet out to
+	 * every rank in dst_mask.  Packets of the user-space path never carry
+	 * it, so both paths can share an interface. */
+	KCCL_F_FANOUT	 = 1 << 0,
+	/* This fragment ends the message. */
+	KCCL_F_LAST_FRAG = 1 << 1,
+};
+
+/* One destination mask word covers 64 ranks: [mask_base, mask_base + 64). */
+#define KCCL_MASK_BITS	64
+
+struct kccl_hdr {
+	__u32 magic;		/*  0: KCCL_MAGIC */
+	__u8  version;		/*  4: KCCL_VERSION */
+	__u8  type;		/*  5: enum kccl_msg_type */
+	__u16 flags;		/*  6: enum kccl_hdr_flag */
+	__u32 job_id;		/*  8: job (group) the packet belongs to */
+	__u16 src_rank;		/* 12: sender rank */
+	__u16 mask_base;	/* 14: rank of bit 0 of dst_mask (multiple of 64) */
+	__u64 dst_mask;		/* 16: bit i set => rank mask_base+i is a destination */
+	__u32 msg_seq;		/* 24: message number, per (job, sender) */
+	__u32 frag_off;		/* 28: byte offset of this fragment in the message */
+	__u32 msg_len;		/* 32: total message length in bytes */
+	__u16 payload_len;	/* 36: bytes of message data after this header */
+	__u16 reserved;		/* 38: zero */
+} __attribute__((packed));
+
+#define KCCL_HDR_LEN	40
+
+/* Largest payload that keeps IPv4 + UDP + kccl_hdr inside a 1500-byte MTU. */
+#define KCCL_MAX_PAYLOAD_1500	(1500 - 20 - 8 - KCCL_HDR_LEN)
+
+#endif /* KCCL_WIRE_H */

@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * tc_bcast: kernel fan-out of kccl broadcast packets (TCX egress).
+ *
+ * What it does: for every UDP datagram leaving the interface whose payload is
+ * a kccl broadcast header of our job with KCCL_F_FANOUT set, it sends one copy
+ * to every rank whose bit is set in dst_mask: it rewrites destination MAC, IPv4
+ * address and UDP port (checksums through the kernel's csum helpers) and
+ * bpf_clone_redirect()s the packet out of the same interface; the original
+ * skb becomes the copy for the highest rank.  So the sender's user space pays
+ * one send per fragment instead of one per destination.
+ *
+ * What it assumes:
+ *  - IPv4/UDP over Ethernet, attached at TCX egress of the sender's interface;
+ *    every destination is reachable through that interface (same L2 segment or
+ *    a gateway whose MAC the runtime stored as the member's next hop).
+ *  - members[rank] is filled by the runtime from the neighbour table; a rank
+ *    without a resolved MAC, or a failed clone, is not dropped silently: it is
+ *    reported on miss_events and counted, and the runtime sends that copy from
+ *    user space.
+ *  - Copies are marked with cfg_clone_mark: a clone redirected to this
+ *    device's egress re-enters this hook and must pass untouched.
+ *  - One packet fans out to at most 64 ranks (one mask word); the runtime
+ *    sends one packet per 64-rank window for larger groups.  The bound keeps
+ *    the loop verifiable and the softirq time one packet holds the CPU short.
+ *  - Every other packet (non-UDP, other ports, other jobs, no FANOUT flag,
+ *    malformed kccl headers) passes untouched; malformed ones are counted.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
+#include "kccl_bcast.h"
+
+#define TC_ACT_OK	0
+#define TC_ACT_SHOT	2
+#define ETH_P_IP	0x0800
+#define IP_MF		0x2000
+#define IP_OFFMASK	0x1fff
+
+/* Set by the runtime before load (read-only after). */
+const volatile __u32 cfg_job_id = 0;
+const volatile __u32 cfg_clone_mark = 0x6b63636c;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, KCCL_MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, struct kccl_member);
+} members SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, KCCL_BS_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} bcast_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} miss_events SEC(".maps");
+
+/* Anchors: make the shared types part of the skeleton so the runtime uses
+ * generated definitions (checked by its tests), not hand copies. */
+struct kccl_hdr kccl_hdr_layout;
+struct kccl_miss_event kccl_miss_event_layout;
+
+static __always_inline void stat_add(__u32 idx, __u64 n)
+{
+	__u64 *v = bpf_map_lookup_elem(&bcast_stats, &idx);
+
+	if (v)
+		*v += n;
+}
+
+struct fanout {
+	struct __sk_buff *skb;
+	__u32 l4_off;
+	__u32 cur_ip;		/* destination currently in the packet (be) */
+	__u16 cur_port;		/* (be) */
+	__u16 base;
+	__u64 mask;
+	__u32 last;		/* highest set bit: served by the original skb */
+	__u32 job_id, msg_seq, frag_off;
+	__u32 copies, misses;
+	bool original_sent;
+};
+
+static __always_inline void report_miss(struct fanout *f, __u32 rank, __u16 why)
+{
+	struct kccl_miss_event ev = {
+		.job_id = f->job_id,
+		.msg_seq = f->msg_seq,
+		.frag_off = f->frag_off,
+		.rank = rank,
+		.reason = why,
+	};
+
+	/* If even the ring buffer is full the runtime still sees the counter. */
+	bpf_ringbuf_output(&miss_events, &ev, sizeof(ev), 0);
+	f->misses++;
+}
+
+/* Rewrite the packet in place for member m; 0 on success. */
+static __always_inline int rewrite_dest(struct fanout *f, const struct kccl_member *m)
+{
+	struct __sk_buff *skb = f->skb;
+	__u32 csum_off = f->l4_off + offsetof(struct udphdr, check);
+	__u32 ip_csum_off = sizeof(struct ethhdr) + offsetof(struct iphdr, check);
+	__u32 daddr_off = sizeof(struct ethhdr) + offsetof(struct iphdr, daddr);
+	__u32 dport_off = f->l4_off + offsetof(struct udphdr, dest);
+	__u32 new_ip = m->ip_be;
+	__u16 new_port = m->port_be;
+
+	if (new_ip != f->cur_ip) {
+		if (bpf_l4_csum_replace(skb, csum_off, f->cur_ip, new_ip,
+					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(new_ip)) ||
+		    bpf_l3_csum_replace(skb, ip_csum_off, f->cur_ip, new_ip, sizeof(new_ip)) ||
+		    bpf_skb_store_bytes(skb, daddr_off, &new_ip, sizeof(new_ip), 0))
+			return -1;
+		f->cur_ip = new_ip;
+	}
+	if (new_port != f->cur_port) {
+		if (bpf_l4_csum_replace(skb, csum_off, f->cur_port, new_port,
+					BPF_F_MARK_MANGLED_0 | sizeof(new_port)) ||
+		    bpf_skb_store_bytes(skb, dport_off, &new_port, sizeof(new_port), 0))
+			return -1;
+		f->cur_port = new_port;
+	}
+	return bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), m->mac, 6, 0) ? -1 : 0;
+}
+
+static __always_inline __u32 highest_bit(__u64 v)
+{
+	__u32 n = 0;
+
+	if (v >> 32) { v >>= 32; n += 32; }
+	if (v >> 16) { v >>= 16; n += 16; }
+	if (v >> 8)  { v >>= 8;  n += 8; }
+	if (v >> 4)  { v >>= 4;  n += 4; }
+	if (v >> 2)  { v >>= 2;  n += 2; }
+	if (v >> 1)  { n += 1; }
+	return n;
+}
+
+/* bpf_loop callback: serve destination bit i.  A callback is verified once,
+ * where an open-coded 64-iteration loop with helper calls explodes the
+ * verifier's state space. */
+static long fan_out_one(__u64 i, struct fanout *f)
+{
+	__u32 rank;
+	struct kccl_member *m;
+
+	if (i > f->last)
+		return 1;
+	if (!((f->mask >> i) & 1))
+		return 0;
+	rank = f->base + (__u32)i;
+	m = bpf_map_lookup_elem(&members, &rank);
+	if (!m || !(m->flags & KCCL_M_PRESENT)) {
+		report_miss(f, rank, KCCL_MISS_NOT_MEMBER);
+		return 0;
+	}
+	if (!(m->flags & KCCL_M_RESOLVED)) {
+		report_miss(f, rank, KCCL_MISS_UNRESOLVED);
+		return 0;
+	}
+	if (rewrite_dest(f, m)) {
+		report_miss(f, rank, KCCL_MISS_CLONE_FAILED);
+		return 0;
+	}
+	if (i == f->last) {
+		/* The original skb carries the last copy: one clone saved. */
+		f->original_sent = true;
+		f->copies++;
+		return 1;
+	}
+	if (bpf_clone_redirect(f->skb, f->skb->ifindex, 0))
+		report_miss(f, rank, KCCL_MISS_CLONE_FAILED);
+	else
+		f->copies++;
+	return 0;
+}
+
+SEC("tcx/egress")
+int kccl_tc_bcast(struct __sk_buff *skb)
+{
+	struct ethhdr eth;
+	struct iphdr ip;
+	struct {
+		struct udphdr udp;
+		__u32 magic;
+	} __attribute__((packed)) l4;
+	struct kccl_hdr h;
+	struct fanout f = {};
+	__u32 l4_off, udp_len, pay_len, mask_base;
+
+	/* Our own copies re-enter this hook after bpf_clone_redirect(). */
+	if (skb->mark == cfg_clone_mark)
+		return TC_ACT_OK;
+
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
+	    eth.h_proto != bpf_htons(ETH_P_IP) ||
+	    bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) ||
+	    ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_UDP ||
+	    (ip.frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
+		goto pass;
+	l4_off = sizeof(eth) + ip.ihl * 4;
+	if (bpf_skb_load_bytes(skb, l4_off, &l4, sizeof(l4)) ||
+	    l4.magic != bpf_htonl(KCCL_MAGIC))
+		goto pass;
+
+	/* From here on the packet claims to be kccl: anything wrong is malformed. */
+	udp_len = bpf_ntohs(l4.udp.len);
+	if (udp_len < sizeof(struct udphdr) + KCCL_HDR_LEN ||
+	    l4_off + udp_len > skb->len ||
+	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
+		goto malformed;
+	pay_len = udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN;
+	if (h.version != KCCL_VERSION || h.type != KCCL_T_BCAST ||
+	    bpf_ntohs(h.payload_len) != pay_len)
+		goto malformed;
+	if (!(h.flags & bpf_htons(KCCL_F_FANOUT)))
+		goto pass;
+	if (bpf_ntohl(h.job_id) != cfg_job_id) {
+		stat_add(KCCL_BS_OTHER_JOB, 1);
+		return TC_ACT_OK;
+	}
+	mask_base = bpf_ntohs(h.mask_base);
+	f.mask = bpf_be64_to_cpu(h.dst_mask);
+	if (!f.mask || mask_base % KCCL_MASK_BITS ||
+	    mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
+		goto malformed;
+
+	f.skb = skb;
+	f.l4_off = l4_off;
+	f.cur_ip = ip.daddr;
+	f.cur_port = l4.udp.dest;
+	f.base = mask_base;
+	f.last = highest_bit(f.mask);
+	f.job_id = cfg_job_id;
+	f.msg_seq = bpf_ntohl(h.msg_seq);
+	f.frag_off = bpf_ntohl(h.frag_off);
+
+	skb->mark = cfg_clone_mark;
+	bpf_loop(KCCL_MASK_BITS, fan_out_one, &f, 0);
+
+	stat_add(KCCL_BS_FANOUT_PKTS, 1);
+	stat_add(KCCL_BS_COPIES, f.copies);
+	if (f.misses)
+		stat_add(KCCL_BS_MISSED, f.misses);
+	return f.original_sent ? TC_ACT_OK : TC_ACT_SHOT;
+
+malformed:
+	stat_add(KCCL_BS_MALFORMED, 1);
+	return TC_ACT_OK;
+pass:
+	stat_add(KCCL_BS_PASSED, 1);
+	return TC_ACT_OK;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";

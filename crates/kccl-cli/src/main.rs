@@ -1,0 +1,312 @@
+//! `kccl`: the command-line tool (cluster, broadcast, receive, bench, demo).
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver};
+use kccl::bench::{write_outputs, BcastHarness, BcastRecord};
+use kccl::cluster::{self, ClusterSpec};
+use kccl::group::{parse_ranks, Group};
+use kccl::{netns, Error, Result};
+
+mod demo;
+
+#[derive(Parser)]
+#[command(name = "kccl", version, about = "In-kernel collective communication (eBPF) for ordinary Linux hosts")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// A local virtual cluster of hosts in network namespaces.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Broadcast a file (or stdin) from one rank to others.
+    Broadcast(BroadcastArgs),
+    /// Receive broadcast messages and write them to stdout or a file.
+    Receive(ReceiveArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// Builds a 10-host cluster, runs broadcast through both paths, compares.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Create N hosts and write a group file.
+    Up {
+        #[arg(long)]
+        hosts: usize,
+        #[arg(long, default_value = "kccl")]
+        name: String,
+        #[arg(long, default_value_t = cluster::DEFAULT_PORT)]
+        port: u16,
+        #[arg(long, default_value_t = 1)]
+        job: u32,
+    },
+    /// Remove everything `cluster up` made for NAME.
+    Down {
+        #[arg(long, default_value = "kccl")]
+        name: String,
+    },
+    /// Run a command inside a host: kccl cluster exec h3 -- CMD ARGS...
+    Exec {
+        host: String,
+        #[arg(long, default_value = "kccl")]
+        name: String,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+}
+
+#[derive(Args)]
+struct MemberArgs {
+    /// Group file (TOML).
+    #[arg(long)]
+    group: PathBuf,
+    /// This process's rank.
+    #[arg(long)]
+    rank: u32,
+    /// kernel, user or auto (kernel if BPF can be loaded, else user).
+    #[arg(long, default_value = "auto")]
+    path: String,
+}
+
+#[derive(Args)]
+struct BroadcastArgs {
+    #[command(flatten)]
+    member: MemberArgs,
+    /// Destination ranks: "1-9", "1,3,5" or "all".
+    #[arg(long)]
+    to: String,
+    /// File to send, or - for stdin.
+    input: String,
+}
+
+#[derive(Args)]
+struct ReceiveArgs {
+    #[command(flatten)]
+    member: MemberArgs,
+    /// Number of messages to receive before exiting (default: run until interrupted).
+    #[arg(long)]
+    count: Option<u64>,
+    /// Write messages here instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Give up after this many seconds without a complete message.
+    #[arg(long)]
+    timeout: Option<f64>,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Broadcast latency and sender CPU, kernel vs user-space path, same run.
+    Broadcast(BenchBroadcastArgs),
+}
+
+#[derive(Args)]
+struct BenchBroadcastArgs {
+    #[arg(long, default_value = "1,3,5,7,9", value_delimiter = ',')]
+    receivers: Vec<usize>,
+    /// UDP payload bytes per packet (kccl header included), 41..=1472.
+    #[arg(long, default_value = "64,256,512,1024,1472", value_delimiter = ',')]
+    sizes: Vec<usize>,
+    #[arg(long, default_value_t = 1000)]
+    iters: usize,
+    #[arg(long, default_value = "bench-broadcast.json")]
+    json: PathBuf,
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Fast run for CI: few iterations, a few points.
+    #[arg(long)]
+    smoke: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kccl: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Cluster(c) => cluster_cmd(c),
+        Cmd::Broadcast(a) => broadcast(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Receive(a) => receive(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Broadcast(a)) => bench_broadcast(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
+    }
+}
+
+fn cluster_cmd(c: ClusterCmd) -> Result<ExitCode> {
+    match c {
+        ClusterCmd::Up { hosts, name, port, job } => {
+            let mut spec = ClusterSpec::new(&name, hosts);
+            spec.port = port;
+            spec.job_id = job;
+            let c = cluster::up(&spec)?;
+            println!("cluster '{}' is up: {} hosts, group file {}", c.name, c.hosts.len(), c.group_path.display());
+            for h in c.hosts.iter().take(4) {
+                println!("  h{:<3} {:<16} {} ({})", h.index, h.addr, cluster::format_mac(&h.mac), h.netns);
+            }
+            if c.hosts.len() > 4 {
+                println!("  ... ({} more)", c.hosts.len() - 4);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCmd::Down { name } => {
+            let n = cluster::down(&name)?;
+            println!("cluster '{name}': removed {n} namespaces");
+            Ok(ExitCode::SUCCESS)
+        }
+        ClusterCmd::Exec { host, name, cmd } => {
+            let st = cluster::exec(&name, &host, &cmd)?;
+            Ok(ExitCode::from(st.code().unwrap_or(1).clamp(0, 255) as u8))
+        }
+    }
+}
+
+/// Loads the group and, for a member of a local virtual cluster, enters its
+/// namespace (setns keeps /sys/fs/bpf visible, unlike `ip netns exec`).
+fn member_setup(m: &MemberArgs) -> Result<(Group, u16, PathChoice)> {
+    let group = Group::load(&m.group)?;
+    let me = group.member(m.rank)?;
+    if let Some(ns) = &me.netns {
+        if netns::path(ns).exists() {
+            netns::enter(ns)?;
+        }
+    }
+    Ok((group.clone(), me.rank, m.path.parse()?))
+}
+
+fn broadcast(a: BroadcastArgs) -> Result<()> {
+    let (group, rank, choice) = member_setup(&a.member)?;
+    let ranks = parse_ranks(&a.to, &group, rank)?;
+    let dests = group.destinations(rank, &ranks)?;
+    let mut data = Vec::new();
+    if a.input == "-" {
+        std::io::stdin().read_to_end(&mut data).map_err(|e| Error::io("reading stdin", e))?;
+    } else {
+        data = std::fs::read(&a.input).map_err(|e| Error::io(format!("reading {}", a.input), e))?;
+    }
+    let mut b = Broadcaster::new(&group, rank, choice)?;
+    eprintln!("kccl: {}", b.path_reason());
+    let r = b.broadcast(&data, &dests)?;
+    eprintln!(
+        "kccl: sent {} bytes as message {} to {} ranks over the {} path ({} datagrams from user space, {} fallback copies)",
+        data.len(),
+        r.seq,
+        dests.len(),
+        r.path,
+        r.datagrams,
+        r.fallback_copies
+    );
+    if let Some(f) = b.fanout() {
+        let s = f.stats()?;
+        if s.missed > 0 {
+            eprintln!("kccl: the kernel fan-out left {} copies to user space (unresolved neighbours)", s.missed);
+        }
+    }
+    Ok(())
+}
+
+fn receive(a: ReceiveArgs) -> Result<()> {
+    let (group, rank, choice) = member_setup(&a.member)?;
+    if choice == PathChoice::Kernel {
+        eprintln!("kccl: receivers use an ordinary UDP socket on both paths");
+    }
+    let mut r = Receiver::new(&group, rank)?;
+    let mut out: Box<dyn Write> = match &a.out {
+        Some(p) => Box::new(std::fs::File::create(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let timeout = a.timeout.map(Duration::from_secs_f64);
+    let mut n = 0u64;
+    while a.count.is_none_or(|c| n < c) {
+        let m = r.recv(timeout)?;
+        out.write_all(&m.data).map_err(|e| Error::io("writing received data", e))?;
+        out.flush().map_err(|e| Error::io("writing received data", e))?;
+        eprintln!("kccl: message {} from rank {}: {} bytes", m.seq, m.src_rank, m.data.len());
+        n += 1;
+    }
+    let s = r.stats();
+    let dropped = s.malformed + s.truncated + s.wrong_job + s.not_member + s.not_addressed + s.too_large + s.evicted;
+    if dropped + s.duplicates > 0 {
+        eprintln!("kccl: receive counters: {}", serde_json::to_string(&s).unwrap_or_default());
+    }
+    Ok(())
+}
+
+fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
+    if a.smoke {
+        a.receivers = vec![1, 3];
+        a.sizes = vec![64, 1472];
+        a.iters = 50;
+    }
+    if let Some(&bad) =
+        a.sizes.iter().find(|&&s| !(kccl::wire::HDR_LEN + 1..=kccl::wire::MAX_UDP_PAYLOAD_1500).contains(&s))
+    {
+        return Err(Error::Usage(format!(
+            "size {bad}: sizes are UDP payload bytes per packet, {}..={}",
+            kccl::wire::HDR_LEN + 1,
+            kccl::wire::MAX_UDP_PAYLOAD_1500
+        )));
+    }
+    let max = a.receivers.iter().copied().max().unwrap_or(1).max(1);
+    let h = BcastHarness::new(&cluster::unique_name("bench"), max)?;
+    let records: Vec<BcastRecord> = h.with_sender(PathChoice::Kernel, |h, b| {
+        let mut all = Vec::new();
+        for &size in &a.sizes {
+            for &n in &a.receivers {
+                let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, a.iters)?;
+                print_rows(&rows);
+                all.extend(rows);
+            }
+        }
+        Ok(all)
+    })?;
+    drop(h);
+    write_outputs(&records, &a.json, a.plot.as_deref(), "broadcast")?;
+    println!(
+        "wrote {}{}",
+        a.json.display(),
+        a.plot.as_ref().map(|p| format!(" and {}", p.display())).unwrap_or_default()
+    );
+    Ok(())
+}
+
+pub fn print_rows(rows: &[BcastRecord]) {
+    let k = rows.iter().find(|r| r.path == Path::Kernel);
+    let u = rows.iter().find(|r| r.path == Path::User);
+    for r in rows {
+        println!(
+            "  {:<6} recv={:<3} size={:<5} p50={:>8.1}us p99={:>8.1}us sender_cpu={:>7.1}us lost={}",
+            r.path.to_string(),
+            r.receivers,
+            r.size,
+            r.p50_us,
+            r.p99_us,
+            r.sender_cpu_us,
+            r.lost
+        );
+    }
+    if let (Some(k), Some(u)) = (k, u) {
+        println!(
+            "  ratio kernel/user: p50 {:.2}x  p99 {:.2}x  sender cpu {:.2}x",
+            k.p50_us / u.p50_us,
+            k.p99_us / u.p99_us,
+            k.sender_cpu_us / u.sender_cpu_us
+        );
+    }
+}

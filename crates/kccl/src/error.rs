@@ -1,0 +1,74 @@
+//! Typed errors: each names the step that failed and what the user can do.
+
+use std::io;
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("group file {path}{}: {msg}", line.map(|l| format!(" line {l}")).unwrap_or_default())]
+    GroupFile { path: PathBuf, line: Option<usize>, msg: String },
+
+    #[error("rank {rank} is not a member of group '{group}' (members: {members})")]
+    UnknownRank { rank: u32, group: String, members: String },
+
+    #[error("empty destination set: name at least one rank other than the sender ({sender})")]
+    EmptyDestinations { sender: u16 },
+
+    #[error("kernel path unavailable: {reason}")]
+    KernelPathUnavailable { reason: String },
+
+    #[error("interface '{iface}' does not exist in {netns}: check the group file's iface field")]
+    InterfaceMissing { iface: String, netns: String },
+
+    #[error("{what} needs root (CAP_NET_ADMIN and CAP_BPF); run it with sudo")]
+    NotRoot { what: String },
+
+    #[error("message of {len} bytes is larger than the limit of {max} bytes")]
+    MessageTooLarge { len: usize, max: usize },
+
+    #[error("timed out after {ms} ms waiting for {what}")]
+    Timeout { ms: u64, what: String },
+
+    #[error("malformed packet: {0}")]
+    Wire(#[from] crate::wire::WireError),
+
+    #[error("cluster '{name}': {msg}")]
+    Cluster { name: String, msg: String },
+
+    #[error("{step}: {source}")]
+    Io {
+        step: String,
+        #[source]
+        source: io::Error,
+    },
+
+    #[error("BPF {step}: {source}")]
+    Bpf {
+        step: String,
+        #[source]
+        source: libbpf_rs::Error,
+    },
+
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl Error {
+    /// Wraps an I/O error with the step that failed.
+    pub fn io(step: impl Into<String>, source: io::Error) -> Self {
+        Error::Io { step: step.into(), source }
+    }
+
+    /// The last OS error, attributed to `step`.
+    pub fn last_os(step: impl Into<String>) -> Self {
+        Error::io(step, io::Error::last_os_error())
+    }
+}
+
+/// Whether the process runs with an effective uid of 0.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}

@@ -1,0 +1,207 @@
+//! The kccl wire header, encoded and decoded exactly as bpf/include/kccl_wire.h
+//! lays it out (big-endian fields).  Tests below check this encoder against the
+//! skeleton-generated `kccl_hdr` (size and every offset) and golden bytes.
+
+use crate::skel::types::kccl_hdr;
+
+pub const MAGIC: u32 = 0x4b43_434c;
+pub const VERSION: u8 = 1;
+pub const HDR_LEN: usize = 40;
+pub const T_BCAST: u8 = 1;
+pub const F_FANOUT: u16 = 1 << 0;
+pub const F_LAST_FRAG: u16 = 1 << 1;
+pub const MASK_BITS: usize = 64;
+/// Largest UDP payload in a 1500-byte MTU (IPv4, no options).
+pub const MAX_UDP_PAYLOAD_1500: usize = 1500 - 20 - 8;
+/// Largest message bytes per packet in a 1500-byte MTU.
+pub const MAX_PAYLOAD_1500: usize = MAX_UDP_PAYLOAD_1500 - HDR_LEN;
+
+// The C header is the definition; fail the build if the generated copy moves.
+const _: () = assert!(std::mem::size_of::<kccl_hdr>() == HDR_LEN);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("datagram of {0} bytes is shorter than the {HDR_LEN}-byte kccl header")]
+    Short(usize),
+    #[error("bad magic {0:#010x} (not a kccl packet)")]
+    BadMagic(u32),
+    #[error("unsupported kccl version {0} (this build speaks {VERSION})")]
+    BadVersion(u8),
+    #[error("payload_len {claimed} does not match the {actual} bytes after the header")]
+    BadLength { claimed: usize, actual: usize },
+    #[error("fragment [{off}, {end}) lies outside a message of {msg_len} bytes")]
+    BadFragment { off: u32, end: u64, msg_len: u32 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Header {
+    pub version: u8,
+    pub msg_type: u8,
+    pub flags: u16,
+    pub job_id: u32,
+    pub src_rank: u16,
+    pub mask_base: u16,
+    pub dst_mask: u64,
+    pub msg_seq: u32,
+    pub frag_off: u32,
+    pub msg_len: u32,
+    pub payload_len: u16,
+}
+
+impl Header {
+    pub fn encode(&self, out: &mut [u8; HDR_LEN]) {
+        out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+        out[4] = self.version;
+        out[5] = self.msg_type;
+        out[6..8].copy_from_slice(&self.flags.to_be_bytes());
+        out[8..12].copy_from_slice(&self.job_id.to_be_bytes());
+        out[12..14].copy_from_slice(&self.src_rank.to_be_bytes());
+        out[14..16].copy_from_slice(&self.mask_base.to_be_bytes());
+        out[16..24].copy_from_slice(&self.dst_mask.to_be_bytes());
+        out[24..28].copy_from_slice(&self.msg_seq.to_be_bytes());
+        out[28..32].copy_from_slice(&self.frag_off.to_be_bytes());
+        out[32..36].copy_from_slice(&self.msg_len.to_be_bytes());
+        out[36..38].copy_from_slice(&self.payload_len.to_be_bytes());
+        out[38..40].copy_from_slice(&0u16.to_be_bytes());
+    }
+
+    pub fn to_bytes(&self) -> [u8; HDR_LEN] {
+        let mut b = [0u8; HDR_LEN];
+        self.encode(&mut b);
+        b
+    }
+
+    /// Parses and validates a whole datagram (header + payload).  Returns the
+    /// header and the payload slice.
+    pub fn decode(dgram: &[u8]) -> Result<(Header, &[u8]), WireError> {
+        if dgram.len() < 4 {
+            return Err(WireError::Short(dgram.len()));
+        }
+        let magic = u32::from_be_bytes(be(dgram, 0));
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        if dgram.len() < HDR_LEN {
+            return Err(WireError::Short(dgram.len()));
+        }
+        let h = Header {
+            version: dgram[4],
+            msg_type: dgram[5],
+            flags: u16::from_be_bytes(be(dgram, 6)),
+            job_id: u32::from_be_bytes(be(dgram, 8)),
+            src_rank: u16::from_be_bytes(be(dgram, 12)),
+            mask_base: u16::from_be_bytes(be(dgram, 14)),
+            dst_mask: u64::from_be_bytes(be(dgram, 16)),
+            msg_seq: u32::from_be_bytes(be(dgram, 24)),
+            frag_off: u32::from_be_bytes(be(dgram, 28)),
+            msg_len: u32::from_be_bytes(be(dgram, 32)),
+            payload_len: u16::from_be_bytes(be(dgram, 36)),
+        };
+        if h.version != VERSION {
+            return Err(WireError::BadVersion(h.version));
+        }
+        let payload = &dgram[HDR_LEN..];
+        if payload.len() != h.payload_len as usize {
+            return Err(WireError::BadLength { claimed: h.payload_len as usize, actual: payload.len() });
+        }
+        let end = h.frag_off as u64 + h.payload_len as u64;
+        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0) {
+            return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
+        }
+        Ok((h, payload))
+    }
+}
+
+fn be<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[at..at + N]);
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::offset_of;
+
+    fn sample() -> Header {
+        Header {
+            version: VERSION,
+            msg_type: T_BCAST,
+            flags: F_FANOUT | F_LAST_FRAG,
+            job_id: 0x0102_0304,
+            src_rank: 0x0506,
+            mask_base: 64,
+            dst_mask: 0x8000_0000_0000_0003,
+            msg_seq: 0x0a0b_0c0d,
+            frag_off: 0x1122_3344,
+            msg_len: 0x1122_3344 + 5,
+            payload_len: 5,
+        }
+    }
+
+    /// Golden bytes: the layout documented in docs/ARCHITECTURE.md.
+    #[test]
+    fn golden_bytes() {
+        let golden: [u8; HDR_LEN] = [
+            0x4b, 0x43, 0x43, 0x4c, // magic "KCCL"
+            0x01, 0x01, 0x00, 0x03, // version, type, flags
+            0x01, 0x02, 0x03, 0x04, // job_id
+            0x05, 0x06, 0x00, 0x40, // src_rank, mask_base
+            0x80, 0, 0, 0, 0, 0, 0, 0x03, // dst_mask
+            0x0a, 0x0b, 0x0c, 0x0d, // msg_seq
+            0x11, 0x22, 0x33, 0x44, // frag_off
+            0x11, 0x22, 0x33, 0x49, // msg_len
+            0x00, 0x05, 0x00, 0x00, // payload_len, reserved
+        ];
+        assert_eq!(sample().to_bytes(), golden);
+        let mut dgram = golden.to_vec();
+        dgram.extend_from_slice(b"hello");
+        let (h, p) = Header::decode(&dgram).expect("golden decodes");
+        assert_eq!(h, sample());
+        assert_eq!(p, b"hello");
+    }
+
+    /// The encoder's offsets are the C struct's offsets (from the skeleton's
+    /// BTF-generated type).
+    #[test]
+    fn layout_matches_c_header() {
+        assert_eq!(offset_of!(kccl_hdr, magic), 0);
+        assert_eq!(offset_of!(kccl_hdr, version), 4);
+        assert_eq!(offset_of!(kccl_hdr, r#type), 5);
+        assert_eq!(offset_of!(kccl_hdr, flags), 6);
+        assert_eq!(offset_of!(kccl_hdr, job_id), 8);
+        assert_eq!(offset_of!(kccl_hdr, src_rank), 12);
+        assert_eq!(offset_of!(kccl_hdr, mask_base), 14);
+        assert_eq!(offset_of!(kccl_hdr, dst_mask), 16);
+        assert_eq!(offset_of!(kccl_hdr, msg_seq), 24);
+        assert_eq!(offset_of!(kccl_hdr, frag_off), 28);
+        assert_eq!(offset_of!(kccl_hdr, msg_len), 32);
+        assert_eq!(offset_of!(kccl_hdr, payload_len), 36);
+        assert_eq!(offset_of!(kccl_hdr, reserved), 38);
+    }
+
+    #[test]
+    fn rejects_malformed() {
+        let good = {
+            let mut h = sample();
+            h.frag_off = 0;
+            h.msg_len = 5;
+            let mut d = h.to_bytes().to_vec();
+            d.extend_from_slice(b"hello");
+            d
+        };
+        assert!(Header::decode(&good).is_ok());
+        assert_eq!(Header::decode(&good[..3]), Err(WireError::Short(3)));
+        assert_eq!(Header::decode(&good[..20]), Err(WireError::Short(20)));
+        assert!(matches!(Header::decode(&good[..HDR_LEN + 2]), Err(WireError::BadLength { .. })));
+        let mut bad = good.clone();
+        bad[0] = 0;
+        assert!(matches!(Header::decode(&bad), Err(WireError::BadMagic(_))));
+        let mut bad = good.clone();
+        bad[4] = 9;
+        assert_eq!(Header::decode(&bad), Err(WireError::BadVersion(9)));
+        let mut bad = good.clone();
+        bad[35] = 4; // msg_len 4 < frag end 5
+        assert!(matches!(Header::decode(&bad), Err(WireError::BadFragment { .. })));
+    }
+}
