@@ -291,21 +291,26 @@ pub fn print_rows(rows: &[BcastRecord]) {
     let u = rows.iter().find(|r| r.path == Path::User);
     for r in rows {
         println!(
-            "  {:<6} recv={:<3} size={:<5} p50={:>8.1}us p99={:>8.1}us sender_cpu={:>7.1}us lost={}",
+            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us lost={}",
             r.path.to_string(),
             r.receivers,
             r.size,
             r.p50_us,
             r.p99_us,
+            r.app_p50_us,
+            r.app_p99_us,
             r.sender_cpu_us,
+            r.total_cpu_us,
             r.lost
         );
     }
     if let (Some(k), Some(u)) = (k, u) {
         println!(
-            "  ratio kernel/user: p50 {:.2}x  p99 {:.2}x  sender cpu {:.2}x",
+            "  ratio kernel/user: held p50 {:.2}x p99 {:.2}x | app p50 {:.2}x p99 {:.2}x | sender cpu {:.2}x",
             k.p50_us / u.p50_us,
             k.p99_us / u.p99_us,
+            k.app_p50_us / u.app_p50_us,
+            k.app_p99_us / u.app_p99_us,
             k.sender_cpu_us / u.sender_cpu_us
         );
     }

@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::net::SocketAddrV4;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{Error, Result};
 use crate::group::{Group, Member};
@@ -392,9 +392,12 @@ pub struct Message {
     pub src_rank: u16,
     pub seq: u32,
     pub data: Vec<u8>,
-    /// When the last byte arrived (CLOCK_MONOTONIC, comparable across the
-    /// namespaces of one machine).
+    /// When the receiving application had the whole message (CLOCK_MONOTONIC,
+    /// comparable across the namespaces of one machine).
     pub completed: Instant,
+    /// When the last datagram of it entered the receiving host's stack
+    /// (kernel timestamp, CLOCK_REALTIME), if the socket records them.
+    pub arrived: Option<SystemTime>,
 }
 
 /// What a receiver dropped, by reason: nothing is dropped uncounted.
@@ -416,6 +419,7 @@ struct Partial {
     buf: Vec<u8>,
     got: usize,
     seen: HashSet<u32>,
+    arrived: Option<SystemTime>,
 }
 
 pub struct Receiver {
@@ -441,6 +445,7 @@ impl Receiver {
     pub fn new(group: &Group, rank: u16) -> Result<Receiver> {
         let me = group.member(rank.into())?.clone();
         let sock = BatchSocket::bind(me.addr, me.port, 256 << 20, 1 << 20)?;
+        sock.enable_rx_timestamps()?;
         let dgram_max = netns::mtu(&me.iface).map(|m| m.saturating_sub(28)).unwrap_or(1472).clamp(1472, 65_507);
         Ok(Receiver {
             job_id: group.job_id,
@@ -505,6 +510,7 @@ impl Receiver {
     fn ingest(&mut self, i: usize) {
         self.stats.datagrams += 1;
         let (dgram, from) = self.rb.get(i);
+        let rx_time = self.rb.rx_time(i);
         let Ok(dgram) = dgram else {
             self.stats.truncated += 1;
             return;
@@ -544,7 +550,7 @@ impl Receiver {
         }
         // Fast path: a whole message in one datagram.
         if h.frag_off == 0 && h.payload_len as u32 == h.msg_len && !self.partial.contains_key(&key) {
-            self.complete(key, payload.to_vec());
+            self.complete(key, payload.to_vec(), rx_time);
             return;
         }
         if !self.partial.contains_key(&key) && self.partial.len() >= self.max_pending {
@@ -558,6 +564,7 @@ impl Receiver {
             buf: vec![0u8; h.msg_len as usize],
             got: 0,
             seen: HashSet::new(),
+            arrived: None,
         });
         if p.buf.len() != h.msg_len as usize {
             self.stats.malformed += 1;
@@ -570,14 +577,15 @@ impl Receiver {
         let off = h.frag_off as usize;
         p.buf[off..off + payload.len()].copy_from_slice(payload);
         p.got += payload.len();
+        p.arrived = p.arrived.max(rx_time);
         if p.got >= p.buf.len() {
             if let Some(p) = self.partial.remove(&key) {
-                self.complete(key, p.buf);
+                self.complete(key, p.buf, p.arrived);
             }
         }
     }
 
-    fn complete(&mut self, key: (u16, u32), data: Vec<u8>) {
+    fn complete(&mut self, key: (u16, u32), data: Vec<u8>, arrived: Option<SystemTime>) {
         self.stats.messages += 1;
         self.done.insert(key);
         self.done_order.push_back(key);
@@ -586,7 +594,7 @@ impl Receiver {
                 self.done.remove(&old);
             }
         }
-        self.ready.push_back(Message { src_rank: key.0, seq: key.1, data, completed: Instant::now() });
+        self.ready.push_back(Message { src_rank: key.0, seq: key.1, data, completed: Instant::now(), arrived });
     }
 }
 

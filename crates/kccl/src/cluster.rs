@@ -252,14 +252,19 @@ fn base36(mut v: u32) -> String {
 
 /// Runs `ip [-n ns] -batch -` with `script` on stdin, without waiting.
 fn spawn_ip_batch(ns: Option<&str>, script: &str) -> Result<IpBatch> {
-    let mut cmd = Command::new("ip");
+    spawn_batch("ip", ns, script)
+}
+
+/// `ip` or `bridge` (both iproute2) reading commands from stdin.
+fn spawn_batch(tool: &str, ns: Option<&str>, script: &str) -> Result<IpBatch> {
+    let mut cmd = Command::new(tool);
     if let Some(ns) = ns {
         cmd.args(["-n", ns]);
     }
     cmd.args(["-batch", "-"]).stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::piped());
     let label = match ns {
-        Some(ns) => format!("ip -n {ns} -batch -"),
-        None => "ip -batch -".to_owned(),
+        Some(ns) => format!("{tool} -n {ns} -batch -"),
+        None => format!("{tool} -batch -"),
     };
     let mut child = cmd.spawn().map_err(|e| Error::io(format!("running `{label}` (is iproute2 installed?)"), e))?;
     if let Some(mut stdin) = child.stdin.take() {
@@ -311,6 +316,10 @@ impl IpBatch {
 
 fn ip_batch(name: &str, ns: Option<&str>, script: &str) -> Result<()> {
     spawn_ip_batch(ns, script)?.wait().map_err(|e| cluster_err(name, e.msg))
+}
+
+fn bridge_batch(name: &str, ns: &str, script: &str) -> Result<()> {
+    spawn_batch("bridge", Some(ns), script)?.wait().map_err(|e| cluster_err(name, e.msg))
 }
 
 /// Writes the IPv6-off sysctls inside each namespace. Done from one thread
@@ -477,6 +486,24 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
         s.push_str(&format!("link set h{} master {BRIDGE} up\n", h.index));
     }
     ip_batch(name, Some(sw), &s)?;
+
+    // 4b. The switch knows every host's port from the start (static FDB
+    //     entries, as a real switch learns them): receivers that never send
+    //     would otherwise stay unlearned and every frame would be flooded to
+    //     every port.  Bridged frames skip iptables (br_netfilter, if the
+    //     machine loaded it): a switch does not run a firewall per frame.
+    let mut fdb = String::new();
+    for h in &hosts {
+        fdb.push_str(&format!("fdb replace {} dev h{} master static\n", format_mac(&h.mac), h.index));
+    }
+    bridge_batch(name, sw, &fdb)?;
+    netns::run_in(Some(sw), || {
+        for k in ["bridge-nf-call-iptables", "bridge-nf-call-ip6tables", "bridge-nf-call-arptables"] {
+            // Absent when br_netfilter is not loaded: nothing to turn off.
+            let _ = std::fs::write(format!("/proc/sys/net/bridge/{k}"), "0");
+        }
+        Ok(())
+    })?;
 
     // 5. The group file.
     let group = Group {

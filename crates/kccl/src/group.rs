@@ -270,7 +270,7 @@ netns = "h1"
     #[test]
     fn bad_values_name_field_and_line() {
         let e = err_text(&GOOD.replace("10.0.0.2", "10.0.0.300"));
-        assert!(e.contains("line 10") && e.contains("`addr`"), "{e}");
+        assert!(e.contains("line 9") && e.contains("`addr`"), "{e}");
         let e =
             err_text(&GOOD.replace("port = 4000\niface = \"eth0\"\nnetns", "port = 70000\niface = \"eth0\"\nnetns"));
         assert!(e.contains("`port`") && e.contains("70000"), "{e}");

@@ -82,6 +82,6 @@ pub fn mtu(iface: &str) -> Option<usize> {
         }
         let rc = libc::ioctl(fd, libc::SIOCGIFMTU, &mut req);
         libc::close(fd);
-        (rc == 0).then(|| req.ifr_ifru.ifru_mtu as usize)
+        (rc == 0).then_some(req.ifr_ifru.ifru_mtu as usize)
     }
 }

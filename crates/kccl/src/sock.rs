@@ -44,6 +44,26 @@ impl BatchSocket {
         Ok(s)
     }
 
+    /// Asks the kernel to stamp each datagram when it enters this host's
+    /// stack (SO_TIMESTAMPNS, CLOCK_REALTIME); see [`RecvBatch::get`].
+    pub fn enable_rx_timestamps(&self) -> Result<()> {
+        let one: libc::c_int = 1;
+        // SAFETY: setsockopt with a c_int option value on an owned fd.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_TIMESTAMPNS,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::last_os("enabling SO_TIMESTAMPNS"));
+        }
+        Ok(())
+    }
+
     fn set_buf(&self, force: libc::c_int, plain: libc::c_int, bytes: usize) {
         let v = bytes.min(i32::MAX as usize / 2) as libc::c_int;
         for opt in [force, plain] {
@@ -145,6 +165,8 @@ impl BatchSocket {
             h.msg_iov = &mut rb.iovs[i];
             h.msg_iovlen = 1;
             h.msg_flags = 0;
+            h.msg_control = rb.cmsg[i].as_mut_ptr().cast();
+            h.msg_controllen = rb.cmsg[i].len() * 8;
         }
         loop {
             // SAFETY: hdrs point at live buffers sized by iov_len.
@@ -176,6 +198,8 @@ pub struct RecvBatch {
     names: Vec<libc::sockaddr_in>,
     iovs: Vec<libc::iovec>,
     hdrs: Vec<libc::mmsghdr>,
+    /// Control buffers (u64 for alignment) for the receive timestamps.
+    cmsg: Vec<[u64; 8]>,
     filled: usize,
 }
 
@@ -188,6 +212,7 @@ impl RecvBatch {
             names: vec![unsafe { std::mem::zeroed() }; slots],
             iovs: (0..slots).map(|_| libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }).collect(),
             hdrs: (0..slots).map(|_| unsafe { std::mem::zeroed() }).collect(),
+            cmsg: vec![[0u64; 8]; slots],
             filled: 0,
         }
     }
@@ -203,6 +228,24 @@ impl RecvBatch {
             return (Err(()), from);
         }
         (Ok(&self.bufs[i][..h.msg_len as usize]), from)
+    }
+
+    /// Kernel receive time of datagram i, if SO_TIMESTAMPNS is on.
+    pub fn rx_time(&self, i: usize) -> Option<std::time::SystemTime> {
+        let h = &self.hdrs[i].msg_hdr;
+        // SAFETY: walking the control messages the kernel wrote into our
+        // buffer, with the libc CMSG macros and the length it reported.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(h);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                    let ts: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
+                    return Some(std::time::UNIX_EPOCH + Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32));
+                }
+                c = libc::CMSG_NXTHDR(h, c);
+            }
+        }
+        None
     }
 
     pub fn len(&self) -> usize {

@@ -1,0 +1,35 @@
+# kccl: the two commands a user needs are `make demo` and `make test`.
+SHELL := /bin/bash
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CARGO ?= cargo
+KCCL := target/release/kccl
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+.PHONY: setup build demo test test-unit test-root lint bench-smoke clean
+
+setup:
+	@bash scripts/setup.sh
+
+build: setup
+	$(CARGO) build --release --workspace
+
+# Builds, makes a 10-host virtual cluster, broadcasts through both paths, compares, tears down.
+demo: build
+	$(SUDO) $(KCCL) demo
+
+# Every test tier: unit, BPF_PROG_TEST_RUN fixtures, namespace topologies, CLI errors, bench smoke.
+test: build lint
+	$(CARGO) build --release --workspace --tests
+	$(SUDO) env "PATH=$(PATH)" $(CARGO) test --release --workspace -- --test-threads=1
+	$(MAKE) bench-smoke
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+bench-smoke: build
+	mkdir -p bench-out
+	$(SUDO) $(KCCL) bench broadcast --smoke --json bench-out/broadcast-smoke.json --plot bench-out/broadcast-smoke.png
+
+clean:
+	$(CARGO) clean
