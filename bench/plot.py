@@ -22,14 +22,14 @@ def broadcast(records, png):
         x = [r["receivers"] for r in rows]
         axes[0].plot(x, [r["p50_us"] for r in rows], marker="o", label=f"{p} p50")
         axes[0].plot(x, [r["p99_us"] for r in rows], marker="x", linestyle="--", label=f"{p} p99")
-    axes[0].set(title=f"latency vs receivers ({big} B packets)", xlabel="receivers", ylabel="µs")
+    axes[0].set(title=f"held latency vs receivers ({big} B packets)", xlabel="receivers", ylabel="µs")
     most = max(recvs)
     for p in paths:
         rows = sorted((r for r in records if r["path"] == p and r["receivers"] == most), key=lambda r: r["size"])
         x = [r["size"] for r in rows]
         axes[1].plot(x, [r["p50_us"] for r in rows], marker="o", label=f"{p} p50")
         axes[1].plot(x, [r["p99_us"] for r in rows], marker="x", linestyle="--", label=f"{p} p99")
-    axes[1].set(title=f"latency vs packet size ({most} receivers)", xlabel="UDP payload bytes", ylabel="µs")
+    axes[1].set(title=f"held latency vs packet size ({most} receivers)", xlabel="UDP payload bytes", ylabel="µs")
     for p in paths:
         rows = sorted((r for r in records if r["path"] == p and r["size"] == big), key=lambda r: r["receivers"])
         axes[2].plot([r["receivers"] for r in rows], [r["sender_cpu_us"] for r in rows], marker="o", label=p)
