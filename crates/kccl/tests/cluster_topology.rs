@@ -52,16 +52,8 @@ fn namespaces_of(name: &str) -> Vec<String> {
 
 /// `ip -n NS -j ARGS`, parsed.
 fn ip_json(ns: &str, args: &[&str]) -> serde_json::Value {
-    let out = Command::new("ip")
-        .args(["-n", ns, "-j"])
-        .args(args)
-        .output()
-        .expect("running ip");
-    assert!(
-        out.status.success(),
-        "ip -n {ns} -j {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = Command::new("ip").args(["-n", ns, "-j"]).args(args).output().expect("running ip");
+    assert!(out.status.success(), "ip -n {ns} -j {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("ip -j prints JSON")
 }
 
@@ -92,35 +84,16 @@ fn three_hosts_addresses_neighbours_and_udp() {
 
         let addr = ip_json(&h.netns, &["addr", "show", "dev", "eth0"]);
         let link = &addr[0];
-        assert_eq!(
-            link["address"],
-            want_mac.as_str(),
-            "{}: MAC of eth0",
-            h.netns
-        );
+        assert_eq!(link["address"], want_mac.as_str(), "{}: MAC of eth0", h.netns);
         assert_eq!(link["operstate"], "UP", "{}: eth0 state", h.netns);
         let infos = link["addr_info"].as_array().expect("addr_info");
         let inet: Vec<(String, u64)> = infos
             .iter()
             .filter(|a| a["family"] == "inet")
-            .map(|a| {
-                (
-                    a["local"].as_str().unwrap_or("").to_owned(),
-                    a["prefixlen"].as_u64().unwrap_or(0),
-                )
-            })
+            .map(|a| (a["local"].as_str().unwrap_or("").to_owned(), a["prefixlen"].as_u64().unwrap_or(0)))
             .collect();
-        assert_eq!(
-            inet,
-            vec![(want_addr.to_string(), 16)],
-            "{}: IPv4 of eth0",
-            h.netns
-        );
-        assert!(
-            infos.iter().all(|a| a["family"] != "inet6"),
-            "{}: IPv6 must be off, got {infos:?}",
-            h.netns
-        );
+        assert_eq!(inet, vec![(want_addr.to_string(), 16)], "{}: IPv4 of eth0", h.netns);
+        assert!(infos.iter().all(|a| a["family"] != "inet6"), "{}: IPv6 must be off, got {infos:?}", h.netns);
 
         let neigh = ip_json(&h.netns, &["neigh", "show", "dev", "eth0"]);
         let entries = neigh.as_array().expect("neigh list");
@@ -128,27 +101,12 @@ fn three_hosts_addresses_neighbours_and_udp() {
             let e = entries
                 .iter()
                 .find(|e| e["dst"] == o.addr.to_string().as_str())
-                .unwrap_or_else(|| {
-                    panic!("{}: no neighbour entry for {}: {neigh}", h.netns, o.addr)
-                });
-            assert_eq!(
-                e["lladdr"],
-                format!("02:6b:63:00:00:{:02x}", o.index + 1).as_str()
-            );
+                .unwrap_or_else(|| panic!("{}: no neighbour entry for {}: {neigh}", h.netns, o.addr));
+            assert_eq!(e["lladdr"], format!("02:6b:63:00:00:{:02x}", o.index + 1).as_str());
             let state = e["state"].as_array().expect("state list");
-            assert!(
-                state.iter().any(|s| s == "PERMANENT"),
-                "{}: {} state {state:?}",
-                h.netns,
-                o.addr
-            );
+            assert!(state.iter().any(|s| s == "PERMANENT"), "{}: {} state {state:?}", h.netns, o.addr);
         }
-        assert_eq!(
-            entries.len(),
-            2,
-            "{}: exactly one entry per other host: {neigh}",
-            h.netns
-        );
+        assert_eq!(entries.len(), 2, "{}: exactly one entry per other host: {neigh}", h.netns);
     }
 
     // UDP: h0 -> h2 and h1 -> h2, from threads inside the namespaces.
@@ -158,44 +116,34 @@ fn three_hosts_addresses_neighbours_and_udp() {
     let receiver = std::thread::spawn(move || {
         netns::run_in(Some(&h2.netns), move || {
             let sock = UdpSocket::bind((h2.addr, port)).map_err(|e| Error::io("bind in h2", e))?;
-            sock.set_read_timeout(Some(Duration::from_secs(5)))
-                .map_err(|e| Error::io("timeout", e))?;
+            sock.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| Error::io("timeout", e))?;
             let _ = ready_tx.send(());
             let mut got = Vec::new();
             let mut buf = [0u8; 256];
             for _ in 0..2 {
-                let (n, from) = sock
-                    .recv_from(&mut buf)
-                    .map_err(|e| Error::io("recv in h2", e))?;
+                let (n, from) = sock.recv_from(&mut buf).map_err(|e| Error::io("recv in h2", e))?;
                 got.push((from, buf[..n].to_vec()));
             }
             // Nothing else may arrive.
-            sock.set_read_timeout(Some(Duration::from_millis(300)))
-                .map_err(|e| Error::io("timeout", e))?;
+            sock.set_read_timeout(Some(Duration::from_millis(300))).map_err(|e| Error::io("timeout", e))?;
             if let Ok((n, from)) = sock.recv_from(&mut buf) {
                 got.push((from, buf[..n].to_vec()));
             }
             Ok(got)
         })
     });
-    ready_rx
-        .recv_timeout(Duration::from_secs(5))
-        .expect("receiver in h2 is ready");
+    ready_rx.recv_timeout(Duration::from_secs(5)).expect("receiver in h2 is ready");
     for sender in [0usize, 1] {
         let ns = c.hosts[sender].netns.clone();
         let dst = SocketAddr::from((c.hosts[2].addr, port));
         let sent = netns::run_in(Some(&ns), move || {
             let sock = UdpSocket::bind("0.0.0.0:0").map_err(|e| Error::io("bind", e))?;
-            sock.send_to(format!("from h{sender}").as_bytes(), dst)
-                .map_err(|e| Error::io("send", e))
+            sock.send_to(format!("from h{sender}").as_bytes(), dst).map_err(|e| Error::io("send", e))
         })
         .expect("send from a host");
         assert_eq!(sent, 7);
     }
-    let got = receiver
-        .join()
-        .expect("receiver thread")
-        .expect("receive in h2");
+    let got = receiver.join().expect("receiver thread").expect("receive in h2");
     let got: BTreeSet<(Ipv4Addr, String)> = got
         .into_iter()
         .map(|(from, p)| {
@@ -206,24 +154,14 @@ fn three_hosts_addresses_neighbours_and_udp() {
             (ip, String::from_utf8_lossy(&p).into_owned())
         })
         .collect();
-    let want: BTreeSet<(Ipv4Addr, String)> = [
-        (Ipv4Addr::new(10, 77, 0, 1), "from h0".to_owned()),
-        (Ipv4Addr::new(10, 77, 0, 2), "from h1".to_owned()),
-    ]
-    .into_iter()
-    .collect();
-    assert_eq!(
-        got, want,
-        "h2 receives exactly one datagram from h0 and one from h1"
-    );
+    let want: BTreeSet<(Ipv4Addr, String)> =
+        [(Ipv4Addr::new(10, 77, 0, 1), "from h0".to_owned()), (Ipv4Addr::new(10, 77, 0, 2), "from h1".to_owned())]
+            .into_iter()
+            .collect();
+    assert_eq!(got, want, "h2 receives exactly one datagram from h0 and one from h1");
 
     // Down removes the 4 namespaces and the state dir.
-    let state = guard
-        .cluster
-        .group_path
-        .parent()
-        .expect("state dir")
-        .to_path_buf();
+    let state = guard.cluster.group_path.parent().expect("state dir").to_path_buf();
     assert!(state.exists());
     let t = Instant::now();
     assert_eq!(cluster::down(&name).expect("down"), 4);
@@ -259,19 +197,13 @@ fn sixty_five_hosts_up_down_and_load() {
         assert_eq!(m.addr, cluster::host_addr(i));
         assert_eq!(m.port, 47100);
         assert_eq!(m.iface, "eth0");
-        assert_eq!(
-            m.netns.as_deref(),
-            Some(cluster::host_netns(&name, i).as_str())
-        );
+        assert_eq!(m.netns.as_deref(), Some(cluster::host_netns(&name, i).as_str()));
     }
     let loaded = cluster::load(&name).expect("load");
     assert_eq!(&loaded, c, "load() returns what up() returned");
 
     // The last host has permanent entries for all 64 others.
-    let neigh = ip_json(
-        &c.hosts[64].netns,
-        &["neigh", "show", "dev", "eth0", "nud", "permanent"],
-    );
+    let neigh = ip_json(&c.hosts[64].netns, &["neigh", "show", "dev", "eth0", "nud", "permanent"]);
     assert_eq!(neigh.as_array().map(Vec::len), Some(64));
 
     let t = Instant::now();
@@ -281,10 +213,7 @@ fn sixty_five_hosts_up_down_and_load() {
     assert!(namespaces_of(&name).is_empty());
     assert!(!c.group_path.exists());
     assert!(up_time < Duration::from_secs(30), "up took {up_time:?}");
-    assert!(
-        down_time < Duration::from_secs(30),
-        "down took {down_time:?}"
-    );
+    assert!(down_time < Duration::from_secs(30), "down took {down_time:?}");
     drop(guard);
 }
 
@@ -304,31 +233,20 @@ fn errors_are_clear() {
         Err(Error::Cluster { msg, .. }) => assert!(msg.contains("2 to 1000"), "{msg}"),
         other => panic!("1 host must be refused, got {other:?}"),
     }
-    assert!(
-        namespaces_of(&name).is_empty(),
-        "a refused up creates nothing"
-    );
+    assert!(namespaces_of(&name).is_empty(), "a refused up creates nothing");
 
     let guard = ClusterGuard::up(&ClusterSpec::new(&name, 2)).expect("cluster up");
     match cluster::up(&ClusterSpec::new(&name, 3)) {
         Err(e @ Error::Cluster { .. }) => {
             let s = e.to_string();
-            assert!(
-                s.contains("exists") && s.contains(&format!("kccl cluster down --name {name}")),
-                "{s}"
-            );
+            assert!(s.contains("exists") && s.contains(&format!("kccl cluster down --name {name}")), "{s}");
         }
         other => panic!("second up must be refused, got {other:?}"),
     }
     // The first cluster is untouched.
     assert_eq!(namespaces_of(&name).len(), 3);
     assert_eq!(cluster::load(&name).expect("load"), guard.cluster);
-    let ok = cluster::exec(
-        &name,
-        "h0",
-        &strings(&["ip", "-o", "link", "show", "dev", "eth0"]),
-    )
-    .expect("exec");
+    let ok = cluster::exec(&name, "h0", &strings(&["ip", "-o", "link", "show", "dev", "eth0"])).expect("exec");
     assert!(ok.success());
 
     for host in ["h2", "7", "x", "", "kccl-other-h0", "h-1", "h+1", "+1"] {
@@ -337,10 +255,7 @@ fn errors_are_clear() {
             other => panic!("host {host:?} must be refused, got {other:?}"),
         }
     }
-    assert!(matches!(
-        cluster::exec(&name, "h0", &[]),
-        Err(Error::Usage(_))
-    ));
+    assert!(matches!(cluster::exec(&name, "h0", &[]), Err(Error::Usage(_))));
     match cluster::exec(&cluster::unique_name("none"), "h0", &strings(&["true"])) {
         Err(Error::Cluster { msg, .. }) => assert!(msg.contains("no such cluster"), "{msg}"),
         other => panic!("exec in a missing cluster must fail, got {other:?}"),
@@ -369,34 +284,21 @@ fn failed_up_leaves_nothing_and_races_leave_the_winner() {
         Err(e) => println!("failed up: {e}"),
         Ok(c) => panic!("up must fail when the group file cannot be written, got {c:?}"),
     }
-    assert!(
-        leftover.is_empty(),
-        "a failed up must remove its namespaces: {leftover:?}"
-    );
+    assert!(leftover.is_empty(), "a failed up must remove its namespaces: {leftover:?}");
 
     // Two concurrent ups of one name: exactly one wins, and the loser must
     // not remove the winner's namespaces while cleaning up after itself.
     for round in 0..5 {
         let name = cluster::unique_name("tr");
-        let spawn = |n: String| {
-            std::thread::spawn(move || cluster::ClusterGuard::up(&ClusterSpec::new(&n, 4)))
-        };
+        let spawn = |n: String| std::thread::spawn(move || cluster::ClusterGuard::up(&ClusterSpec::new(&n, 4)));
         let (a, b) = (spawn(name.clone()), spawn(name.clone()));
         let results = [a.join().expect("thread a"), b.join().expect("thread b")];
         let winners: Vec<&ClusterGuard> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
-        assert_eq!(
-            winners.len(),
-            1,
-            "round {round}: exactly one up wins: {results:?}"
-        );
+        assert_eq!(winners.len(), 1, "round {round}: exactly one up wins: {results:?}");
         if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
             println!("round {round}: loser: {e}");
         }
-        assert_eq!(
-            namespaces_of(&name).len(),
-            5,
-            "round {round}: the winner is intact"
-        );
+        assert_eq!(namespaces_of(&name).len(), 5, "round {round}: the winner is intact");
         assert_eq!(&cluster::load(&name).expect("load"), &winners[0].cluster);
         let st = cluster::exec(&name, "h3", &strings(&["true"])).expect("exec in the winner");
         assert!(st.success());
@@ -413,12 +315,7 @@ fn exec_runs_inside_the_host() {
     let name = cluster::unique_name("tx");
     let guard = ClusterGuard::up(&ClusterSpec::new(&name, 2)).expect("cluster up");
 
-    let st = cluster::exec(
-        &name,
-        "h1",
-        &strings(&["ip", "-o", "-4", "addr", "show", "dev", "eth0"]),
-    )
-    .expect("exec");
+    let st = cluster::exec(&name, "h1", &strings(&["ip", "-o", "-4", "addr", "show", "dev", "eth0"])).expect("exec");
     assert!(st.success(), "{st:?}");
 
     let out = std::env::temp_dir().join(format!("kccl-{name}-exec.txt"));
@@ -441,15 +338,8 @@ fn exec_runs_inside_the_host() {
         let script = format!("stat -f -c %T /sys/fs/bpf > {}", out.display());
         cluster::exec(&name, "h0", &strings(&["sh", "-c", &script])).expect("exec");
         let inside = std::fs::read_to_string(&out).unwrap_or_default();
-        let here = Command::new("stat")
-            .args(["-f", "-c", "%T", "/sys/fs/bpf"])
-            .output()
-            .expect("stat");
-        assert_eq!(
-            inside.trim(),
-            String::from_utf8_lossy(&here.stdout).trim(),
-            "same /sys/fs/bpf inside"
-        );
+        let here = Command::new("stat").args(["-f", "-c", "%T", "/sys/fs/bpf"]).output().expect("stat");
+        assert_eq!(inside.trim(), String::from_utf8_lossy(&here.stdout).trim(), "same /sys/fs/bpf inside");
     }
     let _ = std::fs::remove_file(&out);
     drop(guard);
