@@ -185,6 +185,8 @@ fn member_setup(m: &MemberArgs) -> Result<(Group, u16, PathChoice)> {
     if let Some(ns) = &me.netns {
         if netns::path(ns).exists() {
             netns::enter(ns)?;
+        } else {
+            eprintln!("kccl: namespace {ns} of rank {} does not exist here: staying in this namespace", me.rank);
         }
     }
     Ok((group.clone(), me.rank, m.path.parse()?))
@@ -234,7 +236,13 @@ fn receive(a: ReceiveArgs) -> Result<()> {
     let timeout = a.timeout.map(Duration::from_secs_f64);
     let mut n = 0u64;
     while a.count.is_none_or(|c| n < c) {
-        let m = r.recv(timeout)?;
+        let m = match r.recv(timeout) {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("kccl: receive counters: {}", serde_json::to_string(&r.stats()).unwrap_or_default());
+                return Err(e);
+            }
+        };
         out.write_all(&m.data).map_err(|e| Error::io("writing received data", e))?;
         out.flush().map_err(|e| Error::io("writing received data", e))?;
         eprintln!("kccl: message {} from rank {}: {} bytes", m.seq, m.src_rank, m.data.len());

@@ -446,7 +446,10 @@ impl Receiver {
         let me = group.member(rank.into())?.clone();
         let sock = BatchSocket::bind(me.addr, me.port, 256 << 20, 1 << 20)?;
         sock.enable_rx_timestamps()?;
-        let dgram_max = netns::mtu(&me.iface).map(|m| m.saturating_sub(28)).unwrap_or(1472).clamp(1472, 65_507);
+        // Slots take the largest UDP datagram: a sender on a larger MTU (lo,
+        // jumbo frames) must not be truncated here.  calloc'd pages are only
+        // made resident where datagrams land.
+        let dgram_max = 65_507;
         Ok(Receiver {
             job_id: group.job_id,
             members: group.members.iter().map(|m| (m.rank, m.clone())).collect(),

@@ -74,7 +74,13 @@ impl Group {
         let err = |line: Option<usize>, msg: String| Error::GroupFile { path: path.to_path_buf(), line, msg };
         let raw: RawGroup = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|s| line_of(text, s.start));
-            err(line, e.message().to_string())
+            // One line: the parser's message plus the offending source line,
+            // which names the field.
+            let mut msg = e.message().trim().replace('\n', "; ");
+            if let Some(src) = line.and_then(|l| text.lines().nth(l - 1)) {
+                msg += &format!(" in `{}`", src.trim());
+            }
+            err(line, msg)
         })?;
         if raw.member.is_empty() {
             return Err(err(None, "no [[member]] entries: a group needs at least 2 members".into()));

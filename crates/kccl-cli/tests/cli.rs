@@ -1,0 +1,585 @@
+//! Tests of the `kccl` command line, run as a user would run it: the built
+//! binary (CARGO_BIN_EXE_kccl), group files in temporary directories, exit
+//! codes and stderr.
+//!
+//! - group-file errors name the field and the line and exit with 1;
+//! - `kccl broadcast` refuses bad destination lists, paths and ranks;
+//! - a member interface that does not exist: `--path kernel` fails naming it,
+//!   `--path auto` falls back to the user-space path and says so (members on
+//!   127.0.0.1 with distinct ports, so no namespace is needed);
+//! - end to end in a 3-host virtual cluster (`kccl cluster up/down`,
+//!   `kccl receive` entering its member's namespace by itself), over both
+//!   paths;
+//! - as user `nobody`: `--path auto` falls back because it is not root,
+//!   `--path kernel` fails saying root is needed.
+//!
+//! Tests that need root print `SKIPPED <test>: <reason>` without it.
+
+use std::fs::{self, File};
+use std::net::UdpSocket;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kccl::error::is_root;
+
+const KCCL: &str = env!("CARGO_BIN_EXE_kccl");
+
+/// A temporary directory that user `nobody` can read (0755, files 0644),
+/// removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!("kccl-cli-{}-{tag}", std::process::id()));
+        let _ = fs::remove_dir_all(&p);
+        fs::create_dir_all(&p).expect("creating scratch dir");
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).expect("chmod scratch dir");
+        Scratch(p)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    fn write(&self, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.path(name);
+        fs::write(&p, bytes).expect("writing scratch file");
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).expect("chmod scratch file");
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+/// Runs `kccl ARGS` (optionally through a prefix such as setpriv) and waits.
+fn run_with(prefix: &[&str], args: &[&str]) -> Output {
+    let mut cmd = match prefix.split_first() {
+        Some((p, rest)) => {
+            let mut c = Command::new(p);
+            c.args(rest).arg(KCCL);
+            c
+        }
+        None => Command::new(KCCL),
+    };
+    cmd.args(args).stdin(Stdio::null()).output().expect("running kccl")
+}
+
+fn run(args: &[&str]) -> Output {
+    run_with(&[], args)
+}
+
+fn err_of(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `n` UDP ports on 127.0.0.1 that were free a moment ago (all held at once
+/// while choosing, so they are distinct).
+fn free_ports(n: usize) -> Vec<u16> {
+    let socks: Vec<UdpSocket> =
+        (0..n).map(|_| UdpSocket::bind("127.0.0.1:0").expect("binding an ephemeral port")).collect();
+    socks.iter().map(|s| s.local_addr().expect("local addr").port()).collect()
+}
+
+/// A group file body: one member per port, all on 127.0.0.1, rank i on
+/// `ports[i]`, sending from `iface`.  Member i's `[[member]]` line is
+/// 3 + 6 * i (line 1 `job`, line 2 empty, members 6 lines apart).
+fn loopback_group(ports: &[u16], iface: &str) -> String {
+    let mut t = String::from("job = 1\n");
+    for (rank, port) in ports.iter().enumerate() {
+        t += &format!("\n[[member]]\nrank = {rank}\naddr = \"127.0.0.1\"\nport = {port}\niface = \"{iface}\"\n");
+    }
+    t
+}
+
+/// `len` deterministic, non-repeating-looking bytes.
+fn pattern(len: usize, salt: u64) -> Vec<u8> {
+    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// A background `kccl receive` with stderr in a file; killed on drop if it
+/// is still running.
+struct Recv {
+    child: Child,
+    err_file: PathBuf,
+    what: String,
+}
+
+impl Recv {
+    /// `kccl receive --group G --rank R --count 1 --timeout T --out OUT`,
+    /// returned once its socket is bound on `port`.
+    fn start(prefix: &[&str], group: &Path, rank: u16, port: u16, out: &Path, scratch: &Scratch) -> Recv {
+        let err_file = scratch.path(&format!("recv-{rank}.stderr"));
+        let mut cmd = match prefix.split_first() {
+            Some((p, rest)) => {
+                let mut c = Command::new(p);
+                c.args(rest).arg(KCCL);
+                c
+            }
+            None => Command::new(KCCL),
+        };
+        let rank_s = rank.to_string();
+        cmd.args(["receive", "--group", s(group), "--rank", &rank_s, "--count", "1", "--timeout", "10"])
+            .args(["--out", s(out)])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&err_file).expect("stderr file"));
+        let child = cmd.spawn().expect("spawning kccl receive");
+        let mut r = Recv { child, err_file, what: format!("kccl receive (rank {rank})") };
+        r.wait_bound(port);
+        r
+    }
+
+    fn stderr(&self) -> String {
+        fs::read_to_string(&self.err_file).unwrap_or_default()
+    }
+
+    /// Waits until the process has a UDP socket on `port` in its own network
+    /// namespace (/proc/PID/net/udp shows the namespace of that process).
+    fn wait_bound(&mut self, port: u16) {
+        let needle = format!(":{port:04X}");
+        let table = format!("/proc/{}/net/udp", self.child.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = fs::read_to_string(&table).unwrap_or_default();
+            // Column 2 is local_address, e.g. 0100007F:A029.
+            if text.lines().skip(1).any(|l| l.split_whitespace().nth(1).is_some_and(|a| a.ends_with(&needle))) {
+                return;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!("{} exited ({st}) before binding port {port}: {}", self.what, self.stderr());
+            }
+            assert!(Instant::now() < deadline, "{} did not bind port {port} within 10 s", self.what);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Exit code and stderr, waiting at most `limit`.
+    fn finish(mut self, limit: Duration) -> (Option<i32>, String) {
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.child.try_wait().expect("waiting for kccl receive") {
+                Some(st) => return (st.code(), self.stderr()),
+                None if Instant::now() >= deadline => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    panic!("{} still running after {limit:?}: {}", self.what, self.stderr());
+                }
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+}
+
+impl Drop for Recv {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// None if equal; else where they first differ.
+fn diff(got: &[u8], want: &[u8]) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} bytes, expected {}", got.len(), want.len()));
+    }
+    let i = got.iter().zip(want).position(|(a, b)| a != b)?;
+    Some(format!("first difference at byte {i}"))
+}
+
+fn check_file(problems: &mut Vec<String>, what: &str, path: &Path, want: &[u8]) {
+    match fs::read(path) {
+        Ok(got) => {
+            if let Some(d) = diff(&got, want) {
+                problems.push(format!("{what}: {} holds {d}", path.display()));
+            }
+        }
+        Err(e) => problems.push(format!("{what}: reading {}: {e}", path.display())),
+    }
+}
+
+fn assert_clean(test: &str, problems: Vec<String>) {
+    assert!(problems.is_empty(), "{test}: {} problems:\n  {}", problems.len(), problems.join("\n  "));
+}
+
+/// Problems if `o` did not exit with 1 and an error naming all of `needles`.
+fn expect_error(what: &str, o: &Output, needles: &[&str]) -> Vec<String> {
+    let err = err_of(o);
+    let mut p = Vec::new();
+    if o.status.code() != Some(1) {
+        p.push(format!("{what}: exit {:?}, expected 1 (stderr: {err:?})", o.status.code()));
+    }
+    if !err.contains("kccl: error:") {
+        p.push(format!("{what}: stderr has no `kccl: error:` line: {err:?}"));
+    }
+    for n in needles {
+        if !err.contains(n) {
+            p.push(format!("{what}: stderr does not mention {n:?}: {err:?}"));
+        }
+    }
+    p
+}
+
+/// The `line N` numbers an error message quotes (the first one comes right
+/// after the file name).
+fn lines_quoted(err: &str) -> Vec<usize> {
+    err.split("line ").skip(1).filter_map(|t| t.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()).collect()
+}
+
+/// The two-member loopback group of the group-file tests.  Its second member
+/// spans lines 9..=13:
+///   9 [[member]]  10 rank = 1  11 addr = ...  12 port = ...  13 iface = ...
+fn two_members() -> String {
+    let g = loopback_group(&[41_000, 41_001], "lo");
+    assert_eq!(g.lines().nth(8), Some("[[member]]"), "layout assumption: {g}");
+    g
+}
+
+/// Two-member group with the second member's `field` line replaced by
+/// `line` (removed when `line` is empty).
+fn edit_member2(field: &str, line: &str) -> String {
+    let mut out = String::new();
+    for (i, l) in two_members().lines().enumerate() {
+        if i + 1 >= 9 && l.starts_with(&format!("{field} =")) {
+            if !line.is_empty() {
+                out += line;
+                out.push('\n');
+            }
+        } else {
+            out += l;
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// A bad group file: its text, words stderr must contain, and the `line N`
+/// values that are right.  A problem inside a member may be reported on its
+/// [[member]] line or on the line of the field itself.
+struct BadGroup {
+    case: &'static str,
+    text: String,
+    words: Vec<&'static str>,
+    lines: Vec<usize>,
+}
+
+/// Runs `kccl broadcast` and `kccl receive` on each bad group file: exit 1,
+/// an error naming the file, the words and an acceptable line.
+fn check_bad_groups(tag: &str, cases: &[BadGroup]) -> Vec<String> {
+    let dir = Scratch::new(tag);
+    let input = dir.write("in.bin", b"hello");
+    let mut problems = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        let g = dir.write(&format!("g{i}.toml"), &c.text);
+        for cmd in [
+            vec!["broadcast", "--group", s(&g), "--rank", "0", "--to", "1", s(&input)],
+            vec!["receive", "--group", s(&g), "--rank", "1", "--count", "1", "--timeout", "1"],
+        ] {
+            let o = run(&cmd);
+            let what = format!("{} ({})", c.case, cmd[0]);
+            let mut w: Vec<&str> = c.words.clone();
+            w.push(s(&g));
+            problems.extend(expect_error(&what, &o, &w));
+            let err = err_of(&o);
+            match lines_quoted(&err).first() {
+                Some(n) if c.lines.contains(n) => {}
+                Some(n) => problems.push(format!("{what}: names line {n}, expected one of {:?}: {err:?}", c.lines)),
+                None => problems.push(format!("{what}: no `line N` in {err:?}")),
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn bad_group_files_name_field_and_line() {
+    let test = "bad_group_files_name_field_and_line";
+    let bad = |case, text, words, lines| BadGroup { case, text, words, lines };
+    let cases = [
+        bad("missing addr", edit_member2("addr", ""), vec!["addr"], vec![9, 10, 11, 12, 13]),
+        bad("bad IP", edit_member2("addr", "addr = \"127.0.0.300\""), vec!["addr", "127.0.0.300"], vec![9, 11]),
+        bad("duplicate rank", edit_member2("rank", "rank = 0"), vec!["rank", "already used on line 3"], vec![9, 10]),
+        bad("unknown field", format!("{}colour = \"red\"\n", two_members()), vec!["colour"], vec![14]),
+        bad("invalid TOML: key twice", edit_member2("port", "port = 41001\nport = 41002"), vec!["port"], vec![13]),
+    ];
+    let mut problems = check_bad_groups("badgroup", &cases);
+    let dir = Scratch::new("nogroup");
+    let missing = dir.path("does-not-exist.toml");
+    let o = run(&["broadcast", "--group", s(&missing), "--rank", "0", "--to", "1", "-"]);
+    problems.extend(expect_error("nonexistent file", &o, &[s(&missing), "No such file"]));
+    let o = run(&["receive", "--group", s(&missing), "--rank", "1", "--count", "1", "--timeout", "1"]);
+    problems.extend(expect_error("nonexistent file (receive)", &o, &[s(&missing), "No such file"]));
+    assert_clean(test, problems);
+}
+
+/// A TOML syntax error inside a value (`port = ` with nothing after it): the
+/// message must say which line and which field.
+#[test]
+fn invalid_toml_value_names_field_and_line() {
+    let test = "invalid_toml_value_names_field_and_line";
+    let cases = [BadGroup {
+        case: "invalid TOML: missing value",
+        text: edit_member2("port", "port = "),
+        words: vec!["port"],
+        lines: vec![12],
+    }];
+    assert_clean(test, check_bad_groups("badtoml", &cases));
+}
+
+#[test]
+fn broadcast_refuses_bad_ranks_and_paths() {
+    let test = "broadcast_refuses_bad_ranks_and_paths";
+    let dir = Scratch::new("badranks");
+    let ports = free_ports(3);
+    let g = dir.write("g.toml", loopback_group(&ports, "lo"));
+    let input = dir.write("in.bin", pattern(3000, 1));
+    // Listens on rank 1's and rank 2's ports: a refused command sends nothing.
+    let watch: Vec<UdpSocket> = ports[1..]
+        .iter()
+        .map(|p| {
+            let s = UdpSocket::bind(("127.0.0.1", *p)).expect("binding a member port");
+            s.set_nonblocking(true).expect("nonblocking");
+            s
+        })
+        .collect();
+    let cases: [(&str, &[&str], &[&str]); 8] = [
+        ("--to 99", &["--rank", "0", "--to", "99"], &["rank 99", "not a member", "0-2"]),
+        ("--to ''", &["--rank", "0", "--to", ""], &["empty destination set"]),
+        ("--to ','", &["--rank", "0", "--to", ","], &["empty destination set"]),
+        ("--to 0", &["--rank", "0", "--to", "0"], &["rank 0 is the sender"]),
+        ("--to 0-2", &["--rank", "0", "--to", "0-2"], &["rank 0 is the sender"]),
+        ("--to 1,99", &["--rank", "0", "--to", "1,99"], &["rank 99", "not a member"]),
+        ("--path bogus", &["--rank", "0", "--to", "1", "--path", "bogus"], &["bogus", "kernel, user or auto"]),
+        ("--rank 42", &["--rank", "42", "--to", "1"], &["rank 42", "not a member"]),
+    ];
+    let mut problems = Vec::new();
+    for (what, args, words) in cases {
+        let mut cmd = vec!["broadcast", "--group", s(&g)];
+        cmd.extend_from_slice(args);
+        cmd.push(s(&input));
+        problems.extend(expect_error(what, &run(&cmd), words));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for (w, p) in watch.iter().zip(&ports[1..]) {
+        let mut buf = [0u8; 2048];
+        if let Ok((n, from)) = w.recv_from(&mut buf) {
+            problems.push(format!("a refused command still sent a {n}-byte datagram from {from} to port {p}"));
+        }
+    }
+    assert_clean(test, problems);
+}
+
+#[test]
+fn missing_interface_kernel_fails_auto_falls_back() {
+    let test = "missing_interface_kernel_fails_auto_falls_back";
+    if !is_root() {
+        println!("SKIPPED {test}: needs root (as non-root the kernel path fails for lack of root first)");
+        return;
+    }
+    let dir = Scratch::new("noiface");
+    let ports = free_ports(2);
+    let g = dir.write("g.toml", loopback_group(&ports, "nosuch0"));
+    let data = pattern(5000, 2);
+    let input = dir.write("in.bin", &data);
+    let mut problems = Vec::new();
+
+    let watch = UdpSocket::bind(("127.0.0.1", ports[1])).expect("binding rank 1's port");
+    watch.set_nonblocking(true).expect("nonblocking");
+    let o = run(&["broadcast", "--group", s(&g), "--rank", "0", "--to", "1", "--path", "kernel", s(&input)]);
+    problems.extend(expect_error("--path kernel", &o, &["interface", "nosuch0"]));
+    std::thread::sleep(Duration::from_millis(100));
+    if let Ok((n, _)) = watch.recv_from(&mut [0u8; 2048]) {
+        problems.push(format!("--path kernel failed but sent a {n}-byte datagram"));
+    }
+    drop(watch);
+
+    let out = dir.path("out.bin");
+    let r = Recv::start(&[], &g, 1, ports[1], &out, &dir);
+    let o = run(&["broadcast", "--group", s(&g), "--rank", "0", "--to", "1", "--path", "auto", s(&input)]);
+    let err = err_of(&o);
+    if !o.status.success() {
+        problems.push(format!("--path auto: exit {:?}: {err:?}", o.status.code()));
+    }
+    for n in ["kernel path off", "nosuch0", "user-space path", "over the user path"] {
+        if !err.contains(n) {
+            problems.push(format!("--path auto: stderr does not mention {n:?}: {err:?}"));
+        }
+    }
+    let (code, rerr) = r.finish(Duration::from_secs(15));
+    if code != Some(0) {
+        problems.push(format!("kccl receive exited {code:?}: {rerr:?}"));
+    }
+    check_file(&mut problems, "--path auto", &out, &data);
+    assert_clean(test, problems);
+    println!("{test}: --path kernel refused naming nosuch0; --path auto fell back and delivered {} bytes", data.len());
+}
+
+/// `kccl cluster down` on drop.
+struct ClusterDown(String);
+
+impl Drop for ClusterDown {
+    fn drop(&mut self) {
+        let o = run(&["cluster", "down", "--name", &self.0]);
+        if !o.status.success() {
+            eprintln!("kccl cluster down --name {} failed: {}", self.0, err_of(&o));
+        }
+    }
+}
+
+fn namespaces_of(cluster: &str) -> Vec<String> {
+    let prefix = format!("kccl-{cluster}-");
+    fs::read_dir("/var/run/netns")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn end_to_end_in_a_3_host_cluster() {
+    let test = "end_to_end_in_a_3_host_cluster";
+    if !is_root() {
+        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+        return;
+    }
+    let t0 = Instant::now();
+    let name = kccl::cluster::unique_name("cli");
+    let dir = Scratch::new("e2e");
+    let data = pattern(100 * 1024, 3);
+    let input = dir.write("in.bin", &data);
+    let mut problems = Vec::new();
+    {
+        let down = ClusterDown(name.clone());
+        let o = run(&["cluster", "up", "--hosts", "3", "--name", &name]);
+        assert!(o.status.success(), "kccl cluster up: {}", err_of(&o));
+        let g = kccl::cluster::group_path(&name);
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(stdout.contains(s(&g)), "cluster up does not print the group file {}: {stdout}", g.display());
+        assert_eq!(namespaces_of(&name).len(), 4, "3 hosts + switch");
+        let port = kccl::cluster::DEFAULT_PORT;
+        for path in ["kernel", "user"] {
+            let out1 = dir.path(&format!("out1-{path}.bin"));
+            let out2 = dir.path(&format!("out2-{path}.bin"));
+            let r1 = Recv::start(&[], &g, 1, port, &out1, &dir);
+            let r2 = Recv::start(&[], &g, 2, port, &out2, &dir);
+            let o = run(&["broadcast", "--group", s(&g), "--rank", "0", "--to", "1-2", "--path", path, s(&input)]);
+            let err = err_of(&o);
+            if !o.status.success() {
+                problems.push(format!("{path}: broadcast exit {:?}: {err:?}", o.status.code()));
+            }
+            let says: &[&str] = match path {
+                "kernel" => &["kernel path: tc_bcast attached", "to 2 ranks over the kernel path"],
+                _ => &["user-space path requested", "to 2 ranks over the user path"],
+            };
+            for n in says {
+                if !err.contains(n) {
+                    problems.push(format!("{path}: broadcast stderr does not say {n:?}: {err:?}"));
+                }
+            }
+            for (rank, r, out) in [(1, r1, &out1), (2, r2, &out2)] {
+                let (code, rerr) = r.finish(Duration::from_secs(20));
+                if code != Some(0) {
+                    problems.push(format!("{path}: kccl receive rank {rank} exited {code:?}: {rerr:?}"));
+                }
+                let line = format!("from rank 0: {} bytes", data.len());
+                if !rerr.contains(&line) {
+                    problems.push(format!("{path}: receive rank {rank} stderr lacks {line:?}: {rerr:?}"));
+                }
+                check_file(&mut problems, &format!("{path} rank {rank}"), out, &data);
+            }
+        }
+        drop(down);
+    }
+    let left = namespaces_of(&name);
+    assert!(left.is_empty(), "namespaces left after cluster down: {left:?}");
+    assert!(!kccl::cluster::state_dir(&name).exists(), "state directory left after cluster down");
+    assert_clean(test, problems);
+    println!("{test}: 100 KiB to ranks 1-2 over the kernel and the user path, bytes checked; {:?}", t0.elapsed());
+}
+
+#[test]
+fn non_root_auto_falls_back_kernel_needs_root() {
+    let test = "non_root_auto_falls_back_kernel_needs_root";
+    // As root, drop to nobody for the sender; as anyone else, run directly.
+    let nobody: &[&str] = &["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"];
+    let prefix: &[&str] = if is_root() { nobody } else { &[] };
+    if is_root() {
+        match Command::new(nobody[0]).args(&nobody[1..]).arg(KCCL).arg("--version").output() {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => {
+                println!(
+                    "SKIPPED {test}: {KCCL} cannot be run as nobody (needs every directory on its path to be \
+                     searchable by others): {}",
+                    err_of(&o).trim()
+                );
+                return;
+            }
+            Err(e) => {
+                println!("SKIPPED {test}: cannot run setpriv to become nobody: {e}");
+                return;
+            }
+        }
+    }
+    let dir = Scratch::new("nobody");
+    let ports = free_ports(2);
+    // iface "lo" exists: the only reason left for the kernel path to fail is root.
+    let g = dir.write("g.toml", loopback_group(&ports, "lo"));
+    let data = pattern(5000, 4);
+    let input = dir.write("in.bin", &data);
+    let mut problems = Vec::new();
+
+    let out = dir.path("out.bin");
+    let r = Recv::start(&[], &g, 1, ports[1], &out, &dir);
+    let o = run_with(prefix, &["broadcast", "--group", s(&g), "--rank", "0", "--to", "1", "--path", "auto", s(&input)]);
+    let err = err_of(&o);
+    if !o.status.success() {
+        problems.push(format!("--path auto as non-root: exit {:?}: {err:?}", o.status.code()));
+    }
+    for n in ["kernel path off", "not root", "over the user path"] {
+        if !err.contains(n) {
+            problems.push(format!("--path auto as non-root: stderr does not mention {n:?}: {err:?}"));
+        }
+    }
+    let (code, rerr) = r.finish(Duration::from_secs(15));
+    if code != Some(0) {
+        problems.push(format!("kccl receive exited {code:?}: {rerr:?}"));
+    }
+    check_file(&mut problems, "--path auto as non-root", &out, &data);
+
+    let o =
+        run_with(prefix, &["broadcast", "--group", s(&g), "--rank", "0", "--to", "1", "--path", "kernel", s(&input)]);
+    problems.extend(expect_error("--path kernel as non-root", &o, &["root"]));
+
+    // Making a cluster needs root too, and says so.
+    let name = kccl::cluster::unique_name("clinr");
+    let _down = is_root().then(|| ClusterDown(name.clone()));
+    let o = run_with(prefix, &["cluster", "up", "--hosts", "2", "--name", &name]);
+    problems.extend(expect_error("cluster up as non-root", &o, &["needs root"]));
+    assert_clean(test, problems);
+    println!(
+        "{test}: as {}: auto fell back (not root) and delivered; kernel refused",
+        if is_root() { "nobody" } else { "this user" }
+    );
+}
