@@ -57,7 +57,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
     })?;
     crate::print_rows(&rows);
     drop(h);
-    println!("== cluster torn down");
+    if is_root() {
+        println!("== cluster torn down");
+    }
     Ok(())
 }
 
