@@ -224,14 +224,13 @@ impl BcastHarness {
         let mut total_cpu = vec![Duration::ZERO; paths.len()];
         let mut dgrams = vec![0usize; paths.len()];
         let mut lost = vec![0usize; paths.len()];
-        for (pi, &p) in paths.iter().enumerate() {
+        for &p in paths {
             self.verify(b, p, n, len)?;
             b.use_path(p)?;
             for _ in 0..warmup {
                 let r = b.broadcast(&data, &dests)?;
                 self.wait(r.seq, n, len, hash, Duration::from_secs(1))?;
             }
-            let _ = pi;
         }
         for blk in 0..blocks {
             let per = iters / blocks + usize::from(blk < iters % blocks);
