@@ -415,6 +415,24 @@ pub struct RecvStats {
     pub evicted: u64,
 }
 
+impl RecvStats {
+    /// `self - before`, field by field (counters only grow).
+    pub fn delta(&self, before: &RecvStats) -> RecvStats {
+        RecvStats {
+            datagrams: self.datagrams - before.datagrams,
+            messages: self.messages - before.messages,
+            malformed: self.malformed - before.malformed,
+            truncated: self.truncated - before.truncated,
+            wrong_job: self.wrong_job - before.wrong_job,
+            not_member: self.not_member - before.not_member,
+            not_addressed: self.not_addressed - before.not_addressed,
+            duplicates: self.duplicates - before.duplicates,
+            too_large: self.too_large - before.too_large,
+            evicted: self.evicted - before.evicted,
+        }
+    }
+}
+
 struct Partial {
     buf: Vec<u8>,
     got: usize,

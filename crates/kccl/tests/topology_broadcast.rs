@@ -178,22 +178,6 @@ fn recv_until(r: &mut Receiver, deadline: Instant, stop: &AtomicBool) -> Result<
     }
 }
 
-/// `now - before`, field by field.
-fn stats_since(now: &RecvStats, before: &RecvStats) -> RecvStats {
-    RecvStats {
-        datagrams: now.datagrams - before.datagrams,
-        messages: now.messages - before.messages,
-        malformed: now.malformed - before.malformed,
-        truncated: now.truncated - before.truncated,
-        wrong_job: now.wrong_job - before.wrong_job,
-        not_member: now.not_member - before.not_member,
-        not_addressed: now.not_addressed - before.not_addressed,
-        duplicates: now.duplicates - before.duplicates,
-        too_large: now.too_large - before.too_large,
-        evicted: now.evicted - before.evicted,
-    }
-}
-
 impl Receivers {
     fn start(group: &Group, ranks: impl IntoIterator<Item = u16>) -> Receivers {
         let mut rs = Receivers { workers: BTreeMap::new(), stop: Arc::new(AtomicBool::new(false)) };
@@ -242,7 +226,7 @@ impl Receivers {
                             }
                             Cmd::Quiet(window) => {
                                 let res = r.recv(Some(window));
-                                Reply::Quiet(res, stats_since(&r.stats(), &base))
+                                Reply::Quiet(res, r.stats().delta(&base))
                             }
                         };
                         if reply_tx.send(reply).is_err() {
