@@ -5,7 +5,7 @@
  * A kccl datagram is an ordinary UDP/IPv4 datagram whose payload starts with
  * struct kccl_hdr, followed by payload_len bytes of message data.  All
  * multi-byte fields are big-endian (network order) so that a receiver in any
- * language can parse them with a fixed format string (Python: "!IBBHIHHQIIIHH").
+ * language can parse them with a fixed format string (Python: "!IBBHIHHQIIIHBB").
  *
  * The Rust runtime (crates/kccl/src/wire.rs) encodes/decodes this layout; its
  * tests check the skeleton-generated copy of this struct (size, offsets) and
@@ -19,7 +19,37 @@
 
 /* kccl_hdr.type */
 enum kccl_msg_type {
-	KCCL_T_BCAST = 1,	/* broadcast data fragment */
+	KCCL_T_BCAST	  = 1,	/* broadcast data fragment */
+	KCCL_T_AGG	  = 2,	/* aggregation contribution: member -> aggregator */
+	KCCL_T_AGG_RESULT = 3,	/* allreduce result of one chunk: aggregator -> contributors */
+	KCCL_T_AGG_ACK	  = 4,	/* reduce: chunk aggregated (no payload): aggregator -> contributors */
+};
+
+/*
+ * Aggregation packets reuse the header's fields (AggBox's KEY, SEQ_NUM,
+ * FRAG_OFFSET, LAST_FRAGMENT, AGGR_OP):
+ *   src_rank            contributor (KEY); on RESULT/ACK the aggregator's rank
+ *   mask_base/dst_mask  the operation's contributor set, identical in every
+ *                       contributor's packets; on RESULT/ACK the destinations
+ *   msg_seq             operation id (per job)
+ *   frag_off            byte offset of this chunk in the operation's wire data;
+ *                       always a multiple of the job's chunk size
+ *   msg_len             the operation's wire bytes
+ *   agg_op, dtype       enum kccl_agg_op, enum kccl_dtype (zero for broadcast)
+ */
+enum kccl_agg_op {
+	KCCL_OP_SUM	= 1,
+	KCCL_OP_COUNT	= 2,	/* per element: number of contributions != 0 */
+	KCCL_OP_MAX	= 3,
+	KCCL_OP_MIN	= 4,
+	KCCL_OP_AVG	= 5,	/* summed on the wire; the runtime divides */
+};
+
+enum kccl_dtype {
+	KCCL_DT_I32	= 1,	/* big-endian int32 elements */
+	KCCL_DT_I64	= 2,	/* big-endian int64 elements */
+	KCCL_DT_F32Q	= 3,	/* float32 quantized to int32 by the sender: the
+				 * kernel treats it as I32, the runtime scales */
 };
 
 /* kccl_hdr.flags (bit values, host order; on the wire big-endian) */
@@ -30,6 +60,15 @@ enum kccl_hdr_flag {
 	KCCL_F_FANOUT	 = 1 << 0,
 	/* This fragment ends the message. */
 	KCCL_F_LAST_FRAG = 1 << 1,
+	/* Contribution: deliver the chunk's result to every contributor
+	 * (allreduce) instead of to the aggregator's ring buffer (reduce). */
+	KCCL_F_ALLREDUCE = 1 << 2,
+	/* Result: at least one element did not fit the wire type and was
+	 * saturated; the runtime redoes the chunk exactly in user space. */
+	KCCL_F_OVERFLOW	 = 1 << 3,
+	/* Contribution the kernel must not aggregate: it passes to the
+	 * aggregator's user-space path (unsupported op/type, overflow redo). */
+	KCCL_F_USER_ONLY = 1 << 4,
 };
 
 /* One destination mask word covers 64 ranks: [mask_base, mask_base + 64). */
@@ -48,7 +87,8 @@ struct kccl_hdr {
 	__u32 frag_off;		/* 28: byte offset of this fragment in the message */
 	__u32 msg_len;		/* 32: total message length in bytes */
 	__u16 payload_len;	/* 36: bytes of message data after this header */
-	__u16 reserved;		/* 38: zero */
+	__u8  agg_op;		/* 38: enum kccl_agg_op (aggregation), else 0 */
+	__u8  dtype;		/* 39: enum kccl_dtype (aggregation), else 0 */
 } __attribute__((packed));
 
 #define KCCL_HDR_LEN	40

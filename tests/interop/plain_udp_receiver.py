@@ -18,7 +18,7 @@ timeout or an incomplete message (the reason goes to stderr).
 
 The kccl header (bpf/include/kccl_wire.h is the definition): 40 bytes at the
 start of the UDP payload, all fields big-endian, so one struct format string
-parses it: "!IBBHIHHQIIIHH".
+parses it: "!IBBHIHHQIIIHBB".
 
     off size field        meaning
      0   4   magic        0x4b43434c, b"KCCL"
@@ -35,7 +35,8 @@ parses it: "!IBBHIHHQIIIHH".
     32   4   msg_len      total message length in bytes
     36   2   payload_len  message bytes after the header (the rest of the
                           datagram must be exactly this long)
-    38   2   reserved     zero
+    38   1   agg_op       0 for broadcast
+    39   1   dtype        0 for broadcast
 
 A message is identified by (job_id, src_rank, msg_seq) and is complete when
 its fragments cover [0, msg_len) without gaps.  A fragment that arrives twice
@@ -48,7 +49,7 @@ import socket
 import struct
 import sys
 
-HDR = struct.Struct("!IBBHIHHQIIIHH")
+HDR = struct.Struct("!IBBHIHHQIIIHBB")
 assert HDR.size == 40
 MAGIC = b"KCCL"
 VERSION = 1
@@ -61,7 +62,7 @@ def parse(dgram):
     if dgram[:4] != MAGIC:
         raise ValueError(f"bad magic {dgram[:4]!r} (expected {MAGIC!r})")
     (_magic, version, mtype, flags, job_id, src_rank, mask_base, dst_mask, msg_seq, frag_off, msg_len,
-     payload_len, _reserved) = HDR.unpack_from(dgram)
+     payload_len, _agg_op, _dtype) = HDR.unpack_from(dgram)
     if version != VERSION:
         raise ValueError(f"unsupported version {version} (expected {VERSION})")
     payload = dgram[HDR.size:]

@@ -325,6 +325,8 @@ impl Broadcaster {
             frag_off: off as u32,
             msg_len: len as u32,
             payload_len: plen as u16,
+            agg_op: 0,
+            dtype: 0,
         }
         .to_bytes()
     }

@@ -8,8 +8,14 @@ pub const MAGIC: u32 = 0x4b43_434c;
 pub const VERSION: u8 = 1;
 pub const HDR_LEN: usize = 40;
 pub const T_BCAST: u8 = 1;
+pub const T_AGG: u8 = 2;
+pub const T_AGG_RESULT: u8 = 3;
+pub const T_AGG_ACK: u8 = 4;
 pub const F_FANOUT: u16 = 1 << 0;
 pub const F_LAST_FRAG: u16 = 1 << 1;
+pub const F_ALLREDUCE: u16 = 1 << 2;
+pub const F_OVERFLOW: u16 = 1 << 3;
+pub const F_USER_ONLY: u16 = 1 << 4;
 pub const MASK_BITS: usize = 64;
 /// Largest UDP payload in a 1500-byte MTU (IPv4, no options).
 pub const MAX_UDP_PAYLOAD_1500: usize = 1500 - 20 - 8;
@@ -46,6 +52,10 @@ pub struct Header {
     pub frag_off: u32,
     pub msg_len: u32,
     pub payload_len: u16,
+    /// enum kccl_agg_op (aggregation packets), else 0.
+    pub agg_op: u8,
+    /// enum kccl_dtype (aggregation packets), else 0.
+    pub dtype: u8,
 }
 
 impl Header {
@@ -62,7 +72,8 @@ impl Header {
         out[28..32].copy_from_slice(&self.frag_off.to_be_bytes());
         out[32..36].copy_from_slice(&self.msg_len.to_be_bytes());
         out[36..38].copy_from_slice(&self.payload_len.to_be_bytes());
-        out[38..40].copy_from_slice(&0u16.to_be_bytes());
+        out[38] = self.agg_op;
+        out[39] = self.dtype;
     }
 
     pub fn to_bytes(&self) -> [u8; HDR_LEN] {
@@ -96,6 +107,8 @@ impl Header {
             frag_off: u32::from_be_bytes(be(dgram, 28)),
             msg_len: u32::from_be_bytes(be(dgram, 32)),
             payload_len: u16::from_be_bytes(be(dgram, 36)),
+            agg_op: dgram[38],
+            dtype: dgram[39],
         };
         if h.version != VERSION {
             return Err(WireError::BadVersion(h.version));
@@ -136,6 +149,8 @@ mod tests {
             frag_off: 0x1122_3344,
             msg_len: 0x1122_3344 + 5,
             payload_len: 5,
+            agg_op: 0,
+            dtype: 0,
         }
     }
 
@@ -151,7 +166,7 @@ mod tests {
             0x0a, 0x0b, 0x0c, 0x0d, // msg_seq
             0x11, 0x22, 0x33, 0x44, // frag_off
             0x11, 0x22, 0x33, 0x49, // msg_len
-            0x00, 0x05, 0x00, 0x00, // payload_len, reserved
+            0x00, 0x05, 0x00, 0x00, // payload_len, agg_op, dtype
         ];
         assert_eq!(sample().to_bytes(), golden);
         let mut dgram = golden.to_vec();
@@ -177,7 +192,8 @@ mod tests {
         assert_eq!(offset_of!(kccl_hdr, frag_off), 28);
         assert_eq!(offset_of!(kccl_hdr, msg_len), 32);
         assert_eq!(offset_of!(kccl_hdr, payload_len), 36);
-        assert_eq!(offset_of!(kccl_hdr, reserved), 38);
+        assert_eq!(offset_of!(kccl_hdr, agg_op), 38);
+        assert_eq!(offset_of!(kccl_hdr, dtype), 39);
     }
 
     #[test]

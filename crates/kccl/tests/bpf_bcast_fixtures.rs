@@ -215,6 +215,8 @@ fn header(dst_mask: u64, mask_base: u16) -> Header {
         frag_off: FRAG_OFF,
         msg_len: FRAG_OFF + PAYLOAD_LEN as u32,
         payload_len: PAYLOAD_LEN as u16,
+        agg_op: 0,
+        dtype: 0,
     }
 }
 

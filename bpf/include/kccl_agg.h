@@ -1,0 +1,92 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Types shared between the aggregation programs (xdp_agg.bpf.c,
+ * tc_agg_result.bpf.c) and the Rust runtime: slot layout, ring buffer record,
+ * counters.  The runtime uses the skeleton-generated copies of these types.
+ *
+ * Model: an operation (job_id, op id = msg_seq) is cut into chunks of the
+ * job's chunk size (cfg_chunk_bytes, every contributor uses the same).  Chunk
+ * c of an operation lives in slot (hash(op id) + c) & (nslots - 1) while it is
+ * being aggregated.  A slot accumulates in 64-bit integers, remembers which
+ * contributors it has seen (one bit each, so a retransmission is never counted
+ * twice) and completes when seen == expected.  Senders keep at most a window
+ * of chunks in flight, smaller than nslots, so two chunks of one operation
+ * never need the same slot at once; a chunk that finds its slot taken by
+ * another live chunk is dropped and counted (the sender retransmits).
+ */
+#ifndef KCCL_AGG_H
+#define KCCL_AGG_H
+
+#include "kccl_wire.h"
+
+/* Largest chunk payload the kernel aggregates: an MTU of 3500 (a veth XDP
+ * frame must fit one page) leaves 3500 - 20 - 8 - 40 bytes; 3432 is a
+ * multiple of 8.  A 1500-byte MTU gives 1432-byte chunks. */
+#define KCCL_AGG_MAX_PAYLOAD	3432
+#define KCCL_AGG_MAX_ELEMS	(KCCL_AGG_MAX_PAYLOAD / 4)
+
+/* kccl_agg_slot.state */
+enum kccl_slot_state {
+	KCCL_SLOT_FREE		= 0,
+	KCCL_SLOT_ACTIVE	= 1,	/* accumulating */
+	KCCL_SLOT_DELIVERING	= 2,	/* complete; the completer is emitting the result */
+	KCCL_SLOT_DONE		= 3,	/* result emitted; kept to answer retransmissions */
+	KCCL_SLOT_UNDELIVERED	= 4,	/* complete, ring buffer was full: retried on the
+					 * next retransmission of the chunk */
+};
+
+/* Ring buffer record of one completed reduce chunk, also the tail of a slot so
+ * that bpf_ringbuf_output() copies header and values in one go. */
+struct kccl_agg_record {
+	__u32 job_id;
+	__u32 op_id;
+	__u32 frag_off;		/* byte offset of the chunk in the wire data */
+	__u32 msg_len;		/* the operation's wire bytes */
+	__u16 payload_len;	/* wire bytes of this chunk */
+	__u16 mask_base;
+	__u8  agg_op;		/* enum kccl_agg_op */
+	__u8  dtype;		/* enum kccl_dtype */
+	__u8  overflow;		/* an int64 sum overflowed (I64 only) */
+	__u8  pad;
+	__u64 contributors;	/* the seen mask (== expected) */
+	__s64 acc[KCCL_AGG_MAX_ELEMS];	/* payload_len / elem size values used */
+};
+
+#define KCCL_AGG_RECORD_HDR_LEN	32	/* offsetof(struct kccl_agg_record, acc) */
+
+struct kccl_agg_slot {
+	struct bpf_spin_lock lock;
+	__u32 state;		/* enum kccl_slot_state */
+	__u64 expected;		/* contributor mask of the operation */
+	__u64 seen;		/* contributors already added */
+	__u64 claimed_ns;	/* bpf_ktime_get_ns() when the chunk took the slot */
+	struct kccl_agg_record rec;
+};
+
+/* Per-CPU counters of the aggregation programs (index into agg_stats). */
+enum kccl_agg_stat {
+	KCCL_AS_PKTS = 0,	/* contributions added to a slot */
+	KCCL_AS_CHUNKS_DONE,	/* chunks completed */
+	KCCL_AS_RESULTS,	/* allreduce result packets emitted (before fan-out) */
+	KCCL_AS_ACKS,		/* reduce ack packets emitted (before fan-out) */
+	KCCL_AS_RECORDS,	/* ring buffer records written */
+	KCCL_AS_DUP,		/* contribution already counted (slot still active) */
+	KCCL_AS_DUP_DONE,	/* contribution for a finished chunk: result re-sent */
+	KCCL_AS_BUSY,		/* slot held by another live chunk: dropped */
+	KCCL_AS_RECLAIMED,	/* abandoned chunk's slot taken after the deadline */
+	KCCL_AS_MISMATCH,	/* op/type/length/contributors differ from the slot's */
+	KCCL_AS_NOT_CONTRIB,	/* sender not in the contributor mask */
+	KCCL_AS_NOT_MEMBER,	/* source address is not the sender rank's */
+	KCCL_AS_MALFORMED,	/* kccl magic but bad header: dropped */
+	KCCL_AS_UNSUPPORTED,	/* op/type the kernel does not do: passed to user space */
+	KCCL_AS_USER_ONLY,	/* KCCL_F_USER_ONLY: passed to user space */
+	KCCL_AS_OTHER_JOB,	/* kccl packet of another job: passed */
+	KCCL_AS_RING_FULL,	/* ring buffer full: result kept, retried */
+	KCCL_AS_OVERFLOW,	/* result chunks with a saturated or overflowed element */
+	KCCL_AS_PASSED,		/* not kccl aggregation traffic: passed */
+	KCCL_AS_FANOUT_COPIES,	/* tc_agg_result: copies sent */
+	KCCL_AS_FANOUT_MISSED,	/* tc_agg_result: destinations it could not serve */
+	KCCL_AS_NR,
+};
+
+#endif /* KCCL_AGG_H */
