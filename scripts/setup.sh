@@ -7,7 +7,7 @@ need_apt=()
 have() { command -v "$1" >/dev/null 2>&1; }
 pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 
-for p in clang-16 llvm-16 libbpf-dev libelf-dev zlib1g-dev pkg-config bpftool iproute2 python3-matplotlib make gcc; do
+for p in clang-16 llvm-16 libbpf-dev libelf-dev zlib1g-dev pkg-config bpftool iproute2 ethtool python3-matplotlib make gcc; do
   pkg_installed "$p" || need_apt+=("$p")
 done
 
