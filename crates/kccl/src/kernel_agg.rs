@@ -382,6 +382,7 @@ pub struct AggEngine {
     xdp_mode: Option<XdpMode>,
     ifindex: u32,
     iface: Option<String>,
+    unresolved: Vec<u16>,
     cfg: AggEngineConfig,
     ring: RingBuffer<'static>,
     records: Arc<Mutex<RecordQueue>>,
@@ -474,6 +475,7 @@ impl AggEngine {
             xdp_mode: None,
             ifindex: 0,
             iface: None,
+            unresolved: Vec::new(),
             cfg: cfg.clone(),
             ring,
             records,
@@ -587,8 +589,9 @@ impl AggEngine {
 
     /// Writes every member of `group` except the aggregator itself, with the
     /// MAC from the kernel's neighbour table of the attached interface (read
-    /// in the calling thread's namespace).  Returns the ranks left unresolved.
-    pub fn sync_members(&mut self, group: &Group) -> Result<Vec<u16>> {
+    /// in the calling thread's namespace).  Ranks without a neighbour entry
+    /// are written unresolved and listed by [`AggEngine::unresolved_members`].
+    pub fn sync_members(&mut self, group: &Group) -> Result<()> {
         let iface = self.iface.clone().ok_or_else(|| {
             Error::Usage("sync_members needs the engine attached to an interface (its neighbour table)".into())
         })?;
@@ -605,7 +608,13 @@ impl AggEngine {
             }
             self.set_member(m.rank, m.addr, m.port, mac)?;
         }
-        Ok(unresolved)
+        self.unresolved = unresolved;
+        Ok(())
+    }
+
+    /// Ranks the last [`AggEngine::sync_members`] found no neighbour entry for.
+    pub fn unresolved_members(&self) -> &[u16] {
+        &self.unresolved
     }
 
     pub fn stats(&self) -> Result<AggStats> {

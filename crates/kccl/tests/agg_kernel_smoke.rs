@@ -153,8 +153,8 @@ fn run(c: &cluster::Cluster) -> kccl::Result<()> {
     netns::run_in(Some(&hosts[0].netns.clone()), move || {
         let ifindex = netns::ifindex(&hosts[0].iface, Some(&hosts[0].netns))?;
         let mut e = AggEngine::load(&AggEngineConfig::new(1, PORT, 0), ifindex)?;
-        let unresolved = e.sync_members(&group)?;
-        assert!(unresolved.is_empty(), "neighbours unresolved: {unresolved:?}");
+        e.sync_members(&group)?;
+        assert!(e.unresolved_members().is_empty(), "neighbours unresolved: {:?}", e.unresolved_members());
         let (xi, ti) = e.verified_insns()?;
         println!("xdp_agg attached in {:?} mode; verifier: {xi} insns (xdp_agg), {ti} (tc_agg_result)", e.xdp_mode());
         let agg = hosts[0].addr;
