@@ -17,6 +17,11 @@
  *    port (cfg_port: xdp_agg swapped the ports), which is also checked.
  *  - members[] is the SAME map instance as xdp_agg's (the loader shares it),
  *    filled by the runtime with each contributor's address, port and MAC.
+ *  - Only answers signed with this host's rank (src_rank == cfg_my_rank)
+ *    are fanned out, and every copy leaves with KCCL_F_FANOUT cleared: a
+ *    contributor that also runs these programs (any member can be a reduce
+ *    root) must not fan out an answer it receives, or answers would bounce
+ *    between hosts forever.
  *  - Packets of this kind arriving from the wire are trusted like the ones
  *    xdp_agg made: both come through the same hook and look the same.  A
  *    host on the segment that can spoof the aggregator's packets can also
@@ -48,6 +53,7 @@
 /* Set by the loader before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
 const volatile __u16 cfg_port = 0;		/* host order */
+const volatile __u16 cfg_my_rank = 0;		/* the aggregator's rank */
 const volatile __u32 cfg_clone_mark = 0x6b63636c;
 
 /* Shared with xdp_agg (the loader reuses its map). */
@@ -110,7 +116,8 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	} __attribute__((packed)) l4;
 	struct kccl_hdr h;
 	struct fanout f = {};
-	__u32 l4_off, udp_len, mask_base;
+	__u32 l4_off, udp_len, mask_base, flags_off;
+	__u16 new_flags;
 
 	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
 	    eth.h_proto != bpf_htons(ETH_P_IP) ||
@@ -131,6 +138,8 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	    !(h.flags & bpf_htons(KCCL_F_FANOUT)) || bpf_ntohl(h.job_id) != cfg_job_id ||
 	    bpf_ntohs(h.payload_len) != udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN)
 		return TC_ACT_OK;
+	if (bpf_ntohs(h.src_rank) != cfg_my_rank)
+		return TC_ACT_OK;
 	mask_base = bpf_ntohs(h.mask_base);
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS || mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
@@ -144,6 +153,15 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	f.job_id = cfg_job_id;
 	f.msg_seq = bpf_ntohl(h.msg_seq);
 	f.frag_off = bpf_ntohl(h.frag_off);
+
+	/* The copies are final answers: clear FANOUT (checksum kept valid, or
+	 * 0 if it was 0) so that no receiver's tc_agg_result takes them up. */
+	new_flags = h.flags & ~bpf_htons(KCCL_F_FANOUT);
+	flags_off = l4_off + sizeof(struct udphdr) + offsetof(struct kccl_hdr, flags);
+	if (bpf_l4_csum_replace(skb, l4_off + offsetof(struct udphdr, check), h.flags, new_flags,
+				BPF_F_MARK_MANGLED_0 | sizeof(new_flags)) ||
+	    bpf_skb_store_bytes(skb, flags_off, &new_flags, sizeof(new_flags), 0))
+		return TC_ACT_OK;
 
 	skb->mark = cfg_clone_mark;
 	kccl_fan_out(&f);

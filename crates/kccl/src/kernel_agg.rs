@@ -434,6 +434,7 @@ impl AggEngine {
             .ok_or_else(|| Error::Usage("tc_agg_result has no .rodata section (build problem)".into()))?;
         ro.cfg_job_id = cfg.job_id;
         ro.cfg_port = cfg.port;
+        ro.cfg_my_rank = cfg.my_rank;
         ro.cfg_clone_mark = CLONE_MARK;
         let share = |e| Error::Bpf { step: "sharing members/agg_stats with tc_agg_result".into(), source: e };
         open.maps.members.reuse_fd(xdp.maps.members.as_fd()).map_err(share)?;

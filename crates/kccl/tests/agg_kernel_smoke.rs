@@ -201,7 +201,7 @@ fn run(c: &cluster::Cluster) -> kccl::Result<()> {
             );
             for a in got.iter() {
                 assert_eq!((a.msg_type, a.src_rank, a.dst_mask, a.op_id), (T_AGG_ACK, 0, 0b110, 1), "rank {r}: {a:?}");
-                assert!(a.flags & F_FANOUT != 0 && a.payload.is_empty(), "rank {r}: {a:?}");
+                assert!(a.flags & F_FANOUT == 0 && a.payload.is_empty(), "rank {r}: {a:?}");
             }
         }
         let d = e.stats()?.delta(&before);

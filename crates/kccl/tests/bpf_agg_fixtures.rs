@@ -1521,6 +1521,16 @@ fn readdress(frame: &[u8], rank: u16) -> Vec<u8> {
     f
 }
 
+/// An answer as tc_agg_result sends it on: a final answer with FANOUT
+/// cleared (a UDP checksum of 0 stays 0).
+fn without_fanout(frame: &[u8]) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    let k = 14 + usize::from(f[14] & 0xf) * 4 + 8;
+    let flags = u16::from_be_bytes([f[k + 6], f[k + 7]]) & !F_FANOUT;
+    f[k + 6..k + 8].copy_from_slice(&flags.to_be_bytes());
+    f
+}
+
 struct TcFixture {
     name: String,
     input: Vec<u8>,
@@ -1561,10 +1571,11 @@ fn tc_fixtures() -> Vec<TcFixture> {
     };
     let fan = |name: &str, input: Vec<u8>, ranks: &[u16]| {
         let (last, clones) = ranks.split_last().expect("ranks");
+        let sent = without_fanout(&input);
         TcFixture {
             name: name.into(),
-            copies: clones.iter().map(|&r| readdress(&input, r)).collect(),
-            output: readdress(&input, *last),
+            copies: clones.iter().map(|&r| readdress(&sent, r)).collect(),
+            output: readdress(&sent, *last),
             input,
             members: all.clone(),
             verdict: TC_ACT_REDIRECT,
@@ -1609,7 +1620,7 @@ fn tc_fixtures() -> Vec<TcFixture> {
         t.push(TcFixture {
             name: "every destination unresolved: TC_ACT_SHOT, two miss events".into(),
             copies: vec![],
-            output: input.clone(),
+            output: without_fanout(&input),
             input,
             members: vec![(1, false), (2, false)],
             verdict: TC_ACT_SHOT,
@@ -1632,6 +1643,13 @@ fn tc_fixtures() -> Vec<TcFixture> {
         let mut f = result_of(&ranks, T_AGG_RESULT, vals.clone(), F_FANOUT);
         f[14 + 20 + 8 + 8 + 3] ^= 1; // job id 7 -> 6
         t.push(untouched("RESULT of another job passes", f));
+    }
+    {
+        // A contributor that also runs the programs receives an answer of
+        // another aggregator: it must not fan it out again.
+        let mut f = result_of(&ranks, T_AGG_RESULT, vals.clone(), F_FANOUT);
+        f[14 + 20 + 8 + 12..14 + 20 + 8 + 14].copy_from_slice(&(AGG_RANK + 1).to_be_bytes());
+        t.push(untouched("answer signed by another rank passes (no re-fan-out)", f));
     }
     t.push(untouched("T_AGG contribution passes", Contrib::new(1, 5, SUM, I32, &[1, 2], &[1]).build()));
     {
