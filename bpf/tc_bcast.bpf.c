@@ -8,7 +8,8 @@
  * address and UDP port (checksums through the kernel's csum helpers) and
  * bpf_clone_redirect()s the packet out of the same interface; the original
  * skb becomes the copy for the highest rank.  So the sender's user space pays
- * one send per fragment instead of one per destination.
+ * one send per fragment instead of one per destination.  The clone-and-rewrite
+ * code is bpf/include/kccl_fanout.h, shared with tc_agg_result.bpf.c.
  *
  * What it assumes:
  *  - IPv4/UDP over Ethernet, attached at TCX egress of the sender's interface;
@@ -74,114 +75,26 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 		*v += n;
 }
 
-struct fanout {
-	struct __sk_buff *skb;
-	__u32 l4_off;
-	__u32 cur_ip;		/* destination currently in the packet (be) */
-	__u16 cur_port;		/* (be) */
-	__u16 base;
-	__u64 mask;
-	__u32 last;		/* highest set bit: served by the original skb */
-	__u32 job_id, msg_seq, frag_off;
-	__u32 copies, misses;
-	bool original_sent;
-};
-
-static __always_inline void report_miss(struct fanout *f, __u32 rank, __u16 why)
+static __always_inline void bcast_report_miss(__u32 job_id, __u32 msg_seq, __u32 frag_off,
+					      __u32 rank, __u16 why)
 {
 	struct kccl_miss_event ev = {
-		.job_id = f->job_id,
-		.msg_seq = f->msg_seq,
-		.frag_off = f->frag_off,
+		.job_id = job_id,
+		.msg_seq = msg_seq,
+		.frag_off = frag_off,
 		.rank = rank,
 		.reason = why,
 	};
 
 	/* If even the ring buffer is full the runtime still sees the counter. */
 	bpf_ringbuf_output(&miss_events, &ev, sizeof(ev), 0);
-	f->misses++;
 }
 
-/* Rewrite the packet in place for member m; 0 on success. */
-static __always_inline int rewrite_dest(struct fanout *f, const struct kccl_member *m)
-{
-	struct __sk_buff *skb = f->skb;
-	__u32 csum_off = f->l4_off + offsetof(struct udphdr, check);
-	__u32 ip_csum_off = sizeof(struct ethhdr) + offsetof(struct iphdr, check);
-	__u32 daddr_off = sizeof(struct ethhdr) + offsetof(struct iphdr, daddr);
-	__u32 dport_off = f->l4_off + offsetof(struct udphdr, dest);
-	__u32 new_ip = m->ip_be;
-	__u16 new_port = m->port_be;
-
-	if (new_ip != f->cur_ip) {
-		if (bpf_l4_csum_replace(skb, csum_off, f->cur_ip, new_ip,
-					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(new_ip)) ||
-		    bpf_l3_csum_replace(skb, ip_csum_off, f->cur_ip, new_ip, sizeof(new_ip)) ||
-		    bpf_skb_store_bytes(skb, daddr_off, &new_ip, sizeof(new_ip), 0))
-			return -1;
-		f->cur_ip = new_ip;
-	}
-	if (new_port != f->cur_port) {
-		if (bpf_l4_csum_replace(skb, csum_off, f->cur_port, new_port,
-					BPF_F_MARK_MANGLED_0 | sizeof(new_port)) ||
-		    bpf_skb_store_bytes(skb, dport_off, &new_port, sizeof(new_port), 0))
-			return -1;
-		f->cur_port = new_port;
-	}
-	return bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), m->mac, 6, 0) ? -1 : 0;
-}
-
-static __always_inline __u32 highest_bit(__u64 v)
-{
-	__u32 n = 0;
-
-	if (v >> 32) { v >>= 32; n += 32; }
-	if (v >> 16) { v >>= 16; n += 16; }
-	if (v >> 8)  { v >>= 8;  n += 8; }
-	if (v >> 4)  { v >>= 4;  n += 4; }
-	if (v >> 2)  { v >>= 2;  n += 2; }
-	if (v >> 1)  { n += 1; }
-	return n;
-}
-
-/* bpf_loop callback: serve destination bit i.  A callback is verified once,
- * where an open-coded 64-iteration loop with helper calls explodes the
- * verifier's state space. */
-static long fan_out_one(__u64 i, struct fanout *f)
-{
-	__u32 rank;
-	struct kccl_member *m;
-
-	if (i > f->last)
-		return 1;
-	if (!((f->mask >> i) & 1))
-		return 0;
-	rank = f->base + (__u32)i;
-	m = bpf_map_lookup_elem(&members, &rank);
-	if (!m || !(m->flags & KCCL_M_PRESENT)) {
-		report_miss(f, rank, KCCL_MISS_NOT_MEMBER);
-		return 0;
-	}
-	if (!(m->flags & KCCL_M_RESOLVED)) {
-		report_miss(f, rank, KCCL_MISS_UNRESOLVED);
-		return 0;
-	}
-	if (rewrite_dest(f, m)) {
-		report_miss(f, rank, KCCL_MISS_CLONE_FAILED);
-		return 0;
-	}
-	if (i == f->last) {
-		/* The original skb carries the last copy: one clone saved. */
-		f->original_sent = true;
-		f->copies++;
-		return 1;
-	}
-	if (bpf_clone_redirect(f->skb, f->skb->ifindex, 0))
-		report_miss(f, rank, KCCL_MISS_CLONE_FAILED);
-	else
-		f->copies++;
-	return 0;
-}
+/* The shared clone-and-rewrite fan-out, on this program's maps. */
+#define KCCL_FANOUT_MEMBERS members
+#define KCCL_FANOUT_ON_MISS(f, rank, why) \
+	bcast_report_miss((f)->job_id, (f)->msg_seq, (f)->frag_off, (rank), (why))
+#include "kccl_fanout.h"
 
 SEC("tcx/egress")
 int kccl_tc_bcast(struct __sk_buff *skb)
@@ -238,13 +151,12 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	f.cur_ip = ip.daddr;
 	f.cur_port = l4.udp.dest;
 	f.base = mask_base;
-	f.last = highest_bit(f.mask);
 	f.job_id = cfg_job_id;
 	f.msg_seq = bpf_ntohl(h.msg_seq);
 	f.frag_off = bpf_ntohl(h.frag_off);
 
 	skb->mark = cfg_clone_mark;
-	bpf_loop(KCCL_MASK_BITS, fan_out_one, &f, 0);
+	kccl_fan_out(&f);
 
 	stat_add(KCCL_BS_FANOUT_PKTS, 1);
 	stat_add(KCCL_BS_COPIES, f.copies);

@@ -53,6 +53,12 @@ pub enum Error {
 
     #[error("{0}")]
     Usage(String),
+
+    #[error("aggregation engine configuration: {field}: {msg}")]
+    AggConfig { field: &'static str, msg: String },
+
+    #[error("malformed aggregation record on the ring buffer: {0}")]
+    AggRecord(String),
 }
 
 impl Error {

@@ -76,10 +76,53 @@ impl BcastStats {
     }
 }
 
+/// The members-map entry (struct kccl_member) of a member at `addr`:`port`
+/// whose next-hop MAC is `mac` (None: unresolved neighbour, so the programs
+/// report the destination instead of sending to a wrong or zero MAC).  The one
+/// encoding of a member, used by [`BcastFanout`] and the aggregation engine.
+pub(crate) fn member_entry(addr: Ipv4Addr, port: u16, mac: Option<[u8; 6]>) -> types::kccl_member {
+    types::kccl_member {
+        ip_be: u32::from(addr).to_be(),
+        port_be: port.to_be(),
+        mac: mac.unwrap_or_default(),
+        flags: M_PRESENT | if mac.is_some() { M_RESOLVED } else { 0 },
+    }
+}
+
+/// Writes `members[rank] = v` into a members map (ARRAY of struct kccl_member).
+pub(crate) fn write_member_entry<M: MapCore>(map: &M, rank: u16, v: &types::kccl_member) -> Result<()> {
+    if rank as usize >= MAX_MEMBERS {
+        return Err(Error::Usage(format!("rank {rank} exceeds the kernel limit of {MAX_MEMBERS} members")));
+    }
+    // SAFETY: kccl_member is plain old data; we view it as bytes.
+    let bytes =
+        unsafe { std::slice::from_raw_parts((v as *const types::kccl_member).cast::<u8>(), std::mem::size_of_val(v)) };
+    map.update(&u32::from(rank).to_ne_bytes(), bytes, MapFlags::ANY)
+        .map_err(|e| Error::Bpf { step: format!("writing members[{rank}]"), source: e })
+}
+
+/// A struct kccl_miss_event from a ring buffer record (tc_bcast's or
+/// tc_agg_result's); None if the record is too short.
+pub(crate) fn parse_miss_event(raw: &[u8]) -> Option<MissEvent> {
+    if raw.len() < std::mem::size_of::<types::kccl_miss_event>() {
+        return None;
+    }
+    // SAFETY: the record is a struct kccl_miss_event written by a kccl
+    // program (length checked; read_unaligned needs no alignment).
+    let ev: types::kccl_miss_event = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
+    Some(MissEvent {
+        job_id: ev.job_id,
+        msg_seq: ev.msg_seq,
+        frag_off: ev.frag_off,
+        rank: ev.rank,
+        reason: ev.reason.into(),
+    })
+}
+
 /// Checks what loading BPF needs and returns storage for a skeleton's
 /// OpenObject, which the skeleton borrows for as long as the program is loaded
 /// (a pointer-sized allocation per load, kept for the process lifetime).
-fn skeleton_storage(what: &str) -> Result<&'static mut MaybeUninit<libbpf_rs::OpenObject>> {
+pub(crate) fn skeleton_storage(what: &str) -> Result<&'static mut MaybeUninit<libbpf_rs::OpenObject>> {
     if !is_root() {
         return Err(Error::KernelPathUnavailable {
             reason: format!("not root: loading {what} needs CAP_BPF and CAP_NET_ADMIN (run with sudo)"),
@@ -119,18 +162,9 @@ impl BcastFanout {
         let sink = Arc::clone(&misses);
         let mut rb = RingBufferBuilder::new();
         rb.add(&skel.maps.miss_events, move |raw: &[u8]| {
-            if raw.len() >= std::mem::size_of::<types::kccl_miss_event>() {
-                // SAFETY: the record is a struct kccl_miss_event written by
-                // tc_bcast (length checked; read_unaligned needs no alignment).
-                let ev: types::kccl_miss_event = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
+            if let Some(ev) = parse_miss_event(raw) {
                 if let Ok(mut v) = sink.lock() {
-                    v.push(MissEvent {
-                        job_id: ev.job_id,
-                        msg_seq: ev.msg_seq,
-                        frag_off: ev.frag_off,
-                        rank: ev.rank,
-                        reason: ev.reason.into(),
-                    });
+                    v.push(ev);
                 }
             }
             0
@@ -178,32 +212,11 @@ impl BcastFanout {
     /// None when the neighbour is unresolved: the program then reports the
     /// destination instead of sending to a wrong or zero MAC.
     pub fn set_member(&self, m: &Member, mac: Option<[u8; 6]>) -> Result<()> {
-        let v = types::kccl_member {
-            ip_be: u32::from(m.addr).to_be(),
-            port_be: m.port.to_be(),
-            mac: mac.unwrap_or_default(),
-            flags: M_PRESENT | if mac.is_some() { M_RESOLVED } else { 0 },
-        };
-        self.write_member(m.rank, &v)
+        write_member_entry(&self.skel.maps.members, m.rank, &member_entry(m.addr, m.port, mac))
     }
 
     pub fn clear_member(&self, rank: u16) -> Result<()> {
-        self.write_member(rank, &types::kccl_member::default())
-    }
-
-    fn write_member(&self, rank: u16, v: &types::kccl_member) -> Result<()> {
-        if rank as usize >= MAX_MEMBERS {
-            return Err(Error::Usage(format!("rank {rank} exceeds the kernel limit of {MAX_MEMBERS} members")));
-        }
-        // SAFETY: kccl_member is plain old data; we view it as bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts((v as *const types::kccl_member).cast::<u8>(), std::mem::size_of_val(v))
-        };
-        self.skel
-            .maps
-            .members
-            .update(&u32::from(rank).to_ne_bytes(), bytes, MapFlags::ANY)
-            .map_err(|e| Error::Bpf { step: format!("writing members[{rank}]"), source: e })
+        write_member_entry(&self.skel.maps.members, rank, &types::kccl_member::default())
     }
 
     pub fn stats(&self) -> Result<BcastStats> {

@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * tc_agg_result: kernel fan-out of aggregation answers (TCX ingress of the
+ * aggregator's interface).  Specification: docs/AGGREGATION.md.
+ *
+ * What it does: xdp_agg turns the contribution that completes a chunk into a
+ * KCCL_T_AGG_RESULT (allreduce) or KCCL_T_AGG_ACK (reduce) with KCCL_F_FANOUT,
+ * addresses swapped, and passes it up.  This program catches such packets of
+ * cfg_job_id at ingress and sends one copy to every rank in dst_mask with the
+ * shared clone-and-rewrite code (bpf/include/kccl_fanout.h): clones go to the
+ * egress of the same interface, the original skb serves the highest rank via
+ * bpf_redirect(ifindex, 0).  So the aggregator's user space does no work at
+ * all for an allreduce, and none per packet for a reduce.
+ *
+ * What it assumes:
+ *  - IPv4/UDP over Ethernet; the answer's UDP source port is the aggregator
+ *    port (cfg_port: xdp_agg swapped the ports), which is also checked.
+ *  - members[] is the SAME map instance as xdp_agg's (the loader shares it),
+ *    filled by the runtime with each contributor's address, port and MAC.
+ *  - Only answers signed with this host's rank (src_rank == cfg_my_rank)
+ *    are fanned out, and every copy leaves with KCCL_F_FANOUT cleared: a
+ *    contributor that also runs these programs (any member can be a reduce
+ *    root) must not fan out an answer it receives, or answers would bounce
+ *    between hosts forever.
+ *  - Packets of this kind arriving from the wire are trusted like the ones
+ *    xdp_agg made: both come through the same hook and look the same.  A
+ *    host on the segment that can spoof the aggregator's packets can also
+ *    make it fan out a forged answer to the job's contributors; the
+ *    deployment trusts its L2 segment (as for broadcast).
+ *  - Copies carry skb->mark = cfg_clone_mark, so tc_bcast at TCX egress of
+ *    the same interface (if loaded) passes them untouched.
+ *  - A destination that cannot be served (no member, unresolved MAC, failed
+ *    clone) is counted (KCCL_AS_FANOUT_MISSED) and reported on
+ *    agg_miss_events, so the runtime can send that copy from user space; the
+ *    contributor's retransmission would otherwise fetch it (DUP_DONE).
+ *  - Everything else passes untouched (not counted: xdp_agg counts it).
+ * Counters go to agg_stats (FANOUT_COPIES, FANOUT_MISSED), shared with
+ * xdp_agg by the loader.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
+#include "kccl_bcast.h"
+#include "kccl_agg.h"
+
+#define TC_ACT_OK	0
+#define TC_ACT_SHOT	2
+#define ETH_P_IP	0x0800
+#define IP_MF		0x2000
+#define IP_OFFMASK	0x1fff
+
+/* Set by the loader before load (read-only after). */
+const volatile __u32 cfg_job_id = 0;
+const volatile __u16 cfg_port = 0;		/* host order */
+const volatile __u16 cfg_my_rank = 0;		/* the aggregator's rank */
+const volatile __u32 cfg_clone_mark = 0x6b63636c;
+
+/* Shared with xdp_agg (the loader reuses its map). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, KCCL_MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, struct kccl_member);
+} members SEC(".maps");
+
+/* Shared with xdp_agg. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, KCCL_AS_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} agg_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} agg_miss_events SEC(".maps");
+
+static __always_inline void stat_add(__u32 idx, __u64 n)
+{
+	__u64 *v = bpf_map_lookup_elem(&agg_stats, &idx);
+
+	if (v)
+		*v += n;
+}
+
+static __always_inline void agg_report_miss(__u32 job_id, __u32 msg_seq, __u32 frag_off,
+					    __u32 rank, __u16 why)
+{
+	struct kccl_miss_event ev = {
+		.job_id = job_id,
+		.msg_seq = msg_seq,
+		.frag_off = frag_off,
+		.rank = rank,
+		.reason = why,
+	};
+
+	bpf_ringbuf_output(&agg_miss_events, &ev, sizeof(ev), 0);
+}
+
+/* The shared clone-and-rewrite fan-out, on this program's maps. */
+#define KCCL_FANOUT_MEMBERS members
+#define KCCL_FANOUT_ON_MISS(f, rank, why) \
+	agg_report_miss((f)->job_id, (f)->msg_seq, (f)->frag_off, (rank), (why))
+#include "kccl_fanout.h"
+
+SEC("tcx/ingress")
+int kccl_tc_agg_result(struct __sk_buff *skb)
+{
+	struct ethhdr eth;
+	struct iphdr ip;
+	struct {
+		struct udphdr udp;
+		__u32 magic;
+	} __attribute__((packed)) l4;
+	struct kccl_hdr h;
+	struct fanout f = {};
+	__u32 l4_off, udp_len, mask_base, flags_off;
+	__u16 new_flags;
+
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
+	    eth.h_proto != bpf_htons(ETH_P_IP) ||
+	    bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) ||
+	    ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_UDP ||
+	    (ip.frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
+		return TC_ACT_OK;
+	l4_off = sizeof(eth) + ip.ihl * 4;
+	if (bpf_skb_load_bytes(skb, l4_off, &l4, sizeof(l4)) ||
+	    l4.magic != bpf_htonl(KCCL_MAGIC) || l4.udp.source != bpf_htons(cfg_port))
+		return TC_ACT_OK;
+	udp_len = bpf_ntohs(l4.udp.len);
+	if (udp_len < sizeof(struct udphdr) + KCCL_HDR_LEN || l4_off + udp_len > skb->len ||
+	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
+		return TC_ACT_OK;
+	if (h.version != KCCL_VERSION ||
+	    (h.type != KCCL_T_AGG_RESULT && h.type != KCCL_T_AGG_ACK) ||
+	    !(h.flags & bpf_htons(KCCL_F_FANOUT)) || bpf_ntohl(h.job_id) != cfg_job_id ||
+	    bpf_ntohs(h.payload_len) != udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN)
+		return TC_ACT_OK;
+	if (bpf_ntohs(h.src_rank) != cfg_my_rank)
+		return TC_ACT_OK;
+	mask_base = bpf_ntohs(h.mask_base);
+	f.mask = bpf_be64_to_cpu(h.dst_mask);
+	if (!f.mask || mask_base % KCCL_MASK_BITS || mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
+		return TC_ACT_OK;
+
+	f.skb = skb;
+	f.l4_off = l4_off;
+	f.cur_ip = ip.daddr;
+	f.cur_port = l4.udp.dest;
+	f.base = mask_base;
+	f.job_id = cfg_job_id;
+	f.msg_seq = bpf_ntohl(h.msg_seq);
+	f.frag_off = bpf_ntohl(h.frag_off);
+
+	/* The copies are final answers: clear FANOUT (checksum kept valid, or
+	 * 0 if it was 0) so that no receiver's tc_agg_result takes them up. */
+	new_flags = h.flags & ~bpf_htons(KCCL_F_FANOUT);
+	flags_off = l4_off + sizeof(struct udphdr) + offsetof(struct kccl_hdr, flags);
+	if (bpf_l4_csum_replace(skb, l4_off + offsetof(struct udphdr, check), h.flags, new_flags,
+				BPF_F_MARK_MANGLED_0 | sizeof(new_flags)) ||
+	    bpf_skb_store_bytes(skb, flags_off, &new_flags, sizeof(new_flags), 0))
+		return TC_ACT_OK;
+
+	skb->mark = cfg_clone_mark;
+	kccl_fan_out(&f);
+
+	stat_add(KCCL_AS_FANOUT_COPIES, f.copies);
+	if (f.misses)
+		stat_add(KCCL_AS_FANOUT_MISSED, f.misses);
+	/* The original skb carries the highest rank's copy out of the same
+	 * interface (TC_ACT_REDIRECT); with no rank left for it, it is done. */
+	return f.original_sent ? bpf_redirect(skb->ifindex, 0) : TC_ACT_SHOT;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";

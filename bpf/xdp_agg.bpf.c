@@ -1,0 +1,750 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * xdp_agg: the kernel aggregation engine of kccl (reduce, allreduce), XDP on
+ * the aggregator's interface.  Specification: docs/AGGREGATION.md, "Kernel
+ * data plane"; layouts: kccl_wire.h (packets), kccl_agg.h (slots, records,
+ * counters).
+ *
+ * What it does: every contribution (KCCL_T_AGG of cfg_job_id to UDP port
+ * cfg_port) is validated and added, under the bpf_spin_lock of its slot, to
+ * the slot's int64 accumulators; a `seen` bitmap makes retransmissions
+ * harmless.  The packet that completes a chunk (seen == expected) is turned
+ * into the answer in place and passed up (XDP_PASS) to tc_agg_result, which
+ * fans it out to the contributors:
+ *  - reduce: the slot's record (header + int64 values) goes to the agg_records
+ *    ring buffer for the root's runtime, and the packet becomes a payload-less
+ *    KCCL_T_AGG_ACK;
+ *  - allreduce (KCCL_F_ALLREDUCE): the result is written into the packet's
+ *    payload in the contributed width (I32/F32Q saturated to int32 with
+ *    KCCL_F_OVERFLOW) and it becomes KCCL_T_AGG_RESULT.
+ * Every other contribution is consumed (XDP_DROP) after it was added.  A
+ * retransmission of a finished chunk gets the answer again, addressed to its
+ * sender only.  Every outcome is counted in agg_stats (enum kccl_agg_stat).
+ *
+ * What it assumes:
+ *  - IPv4/UDP over Ethernet (any IHL, no IP fragments), a linear XDP frame:
+ *    the program is not xdp.frags, so a chunk must fit one buffer (MTU <= 3500
+ *    on veth; KCCL_AGG_MAX_PAYLOAD = 3432).
+ *  - Configuration (const volatile, set before load): cfg_job_id, cfg_port
+ *    (host order), cfg_my_rank (src_rank of answers), cfg_chunk_bytes (the
+ *    job's chunk size C, <= KCCL_AGG_MAX_PAYLOAD, every contributor uses it),
+ *    cfg_nslots (== max_entries of agg_slots, a power of two), cfg_slot_timeout_ns
+ *    (an ACTIVE/UNDELIVERED chunk older than this may lose its slot),
+ *    cfg_wakeup_bytes (ring buffer wake-up batching).
+ *  - members[rank] is filled by the runtime; a contribution whose source
+ *    address is not its src_rank's is dropped (NOT_MEMBER).
+ *  - Contributors keep a window of chunks smaller than nslots (docs), so a
+ *    chunk that finds its slot held by another live chunk is dropped (BUSY)
+ *    and retransmitted by its sender.
+ *  - Packets the kernel does not aggregate pass untouched: not kccl or not
+ *    our port (PASSED), another job (OTHER_JOB), KCCL_F_USER_ONLY (USER_ONLY),
+ *    an unknown op/type (UNSUPPORTED), and RESULT/ACK/BCAST types (PASSED):
+ *    the user-space aggregator's socket gets them.
+ *  - A contributor does not mix reduce and allreduce contributions for one
+ *    chunk: the slot does not record the ALLREDUCE flag (the layout of
+ *    kccl_agg.h has no field for it), the completing packet's flag decides.
+ *
+ * Slot rules (all under the slot's lock; the key is job, op id, frag_off):
+ *  - same key: op, type, payload_len, msg_len, mask_base and contributor mask
+ *    must equal the slot's (else MISMATCH, dropped); ACTIVE: duplicate (DUP,
+ *    dropped) or added; DELIVERING (another CPU emits the result right now):
+ *    DUP; DONE: answer again (DUP_DONE); UNDELIVERED (the ring buffer was
+ *    full when it completed): the ring output is retried and on success the
+ *    ACK goes to every contributor (none got one yet).
+ *  - other key: FREE or DONE slots are claimed; ACTIVE/UNDELIVERED ones are
+ *    taken over after cfg_slot_timeout_ns since their claim (RECLAIMED), else
+ *    BUSY (dropped); DELIVERING is BUSY.
+ *  - The claiming (first) contribution STORES its values (COUNT: v != 0), so
+ *    a claim needs no identity initialisation pass; later ones combine: SUM
+ *    and AVG add, COUNT adds (v != 0), MAX/MIN; I64 SUM/AVG detect signed
+ *    overflow (rec.overflow, sticky).  I32 and F32Q are the same to the
+ *    kernel.
+ *
+ * Loops: open-coded bounded loops, no bpf_loop and no tail calls.  The
+ * combine runs under bpf_spin_lock, where no helper may be called, so
+ * bpf_loop (a helper) is impossible there, and a tail call cannot be made
+ * while holding the lock either (it could only split the program after the
+ * unlock, which buys nothing: one program fits the verifier's budget).  One
+ * loop per element width (4 bytes: I32/F32Q, up to KCCL_AGG_MAX_ELEMS = 858
+ * iterations; 8 bytes: I64, up to 429) combines, and writes the int32-
+ * saturated / int64 results back in the same pass; the retransmission answer
+ * of a finished allreduce chunk runs the same loop in read-only mode.  The
+ * verifier walks every iteration (the index is a constant per walk), so what
+ * it costs is iterations x body x walks, and four things keep it to about
+ * 340k of the 1M processed instructions (the number is printed by the
+ * fixtures: AggEngine::verified_insns):
+ *  - the payload is copied (bpf_xdp_load_bytes, before the lock) into a
+ *    per-CPU scratch buffer and written back with bpf_xdp_store_bytes: a
+ *    per-element packet bounds check would grow the packet range with every
+ *    iteration, so no two loop exits would be equivalent states;
+ *  - the loop bodies are branch-free (0/~0 masks select SUM/COUNT/MAX/MIN,
+ *    first store, read-only, saturation; OPAQUE keeps clang from turning
+ *    them back into jumps), so one walk is one path;
+ *  - the masks, the element count and the locked section's decision live in
+ *    the scratch map and are loaded (volatile) from there: the verifier knows
+ *    nothing about map contents, so the paths reach a loop in equivalent
+ *    states and it is walked a couple of times (measured) instead of once
+ *    per combination of op, mode and decision constants;
+ *  - the element count the loop compares against is such a fresh load, not
+ *    the count used after the loop, so the bound checks do not make every
+ *    exit iteration a distinct state for the code after the loop.
+ * The alternative of several elements per iteration changes nothing (the
+ * cost is instructions per element); capping the elements per program was
+ * not needed.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
+#include "kccl_bcast.h"
+#include "kccl_agg.h"
+
+#define ETH_P_IP	0x0800
+#define IP_MF		0x2000
+#define IP_OFFMASK	0x1fff
+#define ETH_ALEN	6
+
+#define KCCL_ANSWER_FIXED_LEN	(sizeof(struct udphdr) + KCCL_HDR_LEN)
+
+/* Set by the loader before load (read-only after). */
+const volatile __u32 cfg_job_id = 0;
+const volatile __u16 cfg_port = 0;		/* host order */
+const volatile __u16 cfg_my_rank = 0;
+const volatile __u32 cfg_chunk_bytes = 1432;
+const volatile __u32 cfg_nslots = 1024;	/* == max_entries of agg_slots */
+const volatile __u64 cfg_slot_timeout_ns = 2000000000ULL;
+const volatile __u64 cfg_wakeup_bytes = 1 << 20;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);		/* set by the loader (cfg_nslots) */
+	__type(key, __u32);
+	__type(value, struct kccl_agg_slot);
+} agg_slots SEC(".maps");
+
+/* Shared with tc_agg_result (the loader reuses one map for both). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, KCCL_MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, struct kccl_member);
+} members SEC(".maps");
+
+/* Shared with tc_agg_result (FANOUT_COPIES, FANOUT_MISSED). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, KCCL_AS_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} agg_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4 << 20);		/* set by the loader */
+} agg_records SEC(".maps");
+
+/* Completed wire bytes per operation, for the wake-up policy. */
+struct kccl_agg_op_key {
+	__u32 job_id;
+	__u32 op_id;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct kccl_agg_op_key);
+	__type(value, __u64);
+} agg_op_progress SEC(".maps");
+
+static __always_inline void stat_add(__u32 idx, __u64 n)
+{
+	__u64 *v = bpf_map_lookup_elem(&agg_stats, &idx);
+
+	if (v)
+		*v += n;
+}
+
+/* Loop modes. */
+#define ELEM_NONE	0	/* read the accumulators only */
+#define ELEM_STORE	1	/* first contribution: acc = v */
+#define ELEM_COMBINE	2	/* acc = acc (op) v */
+
+/* Loop results. */
+#define ELEM_OVF	1	/* an int64 sum overflowed */
+#define ELEM_SAT	2	/* an int32 write-back saturated */
+
+#define S32_MAX		2147483647LL
+#define S32_MIN		(-2147483647LL - 1)
+
+/*
+ * Hides a value from the optimizer.  The loop bodies below are branch-free
+ * (every operation is selected with 0 / ~0 masks): the BPF backend turns
+ * selects into jumps, and every jump inside a loop that the verifier walks
+ * up to 858 times multiplies its work; clang would rebuild selects from mask
+ * arithmetic whose operands it can see are 0 or ~0.
+ */
+#define OPAQUE(x)	asm volatile("" : "+r"(x))
+
+/* Masks (0 or ~0) steering one pass over a chunk's elements. */
+struct elem_ctl {
+	__s64 count;		/* COUNT: v -> (v != 0) */
+	__s64 add;		/* SUM, AVG, COUNT: acc + v (else MAX/MIN) */
+	__s64 min;		/* MIN (else MAX) */
+	__s64 nstore;		/* ~store: keep the slot's accumulator as the left operand */
+	__s64 store_nadd;	/* store and not add: the left operand is v (MAX(v,v) = v) */
+	__s64 keep;		/* read only: the accumulator stays as it is */
+	__s64 ovf;		/* add and not keep: I64 overflow detection on */
+	__s64 write;		/* write the accumulators into the packet */
+};
+
+/*
+ * The masks live in a per-CPU scratch map and the loops load them from there
+ * (volatile): the verifier knows nothing about map contents, so every path
+ * reaches a loop with the same unknown masks and the loop is walked once,
+ * not once per combination of op and mode that the masks encode.
+ */
+struct agg_scratch {
+	struct elem_ctl ctl;
+	/* What the locked section decided (enum below, ACT_*): kept here, not
+	 * in locals, for the same reason as the masks: path-dependent constants
+	 * live across a loop make the verifier walk it once per combination. */
+	__u32 act, why, mode, write, reclaimed, ovf;
+	/* Element count of the loops: loaded from here so that the loop's
+	 * bound checks narrow a copy the verifier does not link to the count
+	 * used after the loop (else every exit iteration is a new state). */
+	__u32 nelem;
+	__u8 buf[KCCL_AGG_MAX_PAYLOAD];	/* the chunk's payload, big-endian */
+};
+
+#define PUT(sc, f, v)	(*(volatile __u32 *)&(sc)->f = (v))
+#define GET(sc, f)	(*(volatile __u32 *)&(sc)->f)
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct agg_scratch);
+} agg_scratch SEC(".maps");
+
+static __always_inline void elem_ctl_init(struct elem_ctl *c, __u32 op, __u32 mode, bool write)
+{
+	__s64 store = -(__s64)(mode == ELEM_STORE);
+	__s64 keep = -(__s64)(mode == ELEM_NONE);
+	__s64 add = -(__s64)(op == KCCL_OP_SUM || op == KCCL_OP_AVG || op == KCCL_OP_COUNT);
+
+	*(volatile __s64 *)&c->count = -(__s64)(op == KCCL_OP_COUNT);
+	*(volatile __s64 *)&c->add = add;
+	*(volatile __s64 *)&c->min = -(__s64)(op == KCCL_OP_MIN);
+	*(volatile __s64 *)&c->nstore = ~store;
+	*(volatile __s64 *)&c->store_nadd = store & ~add;
+	*(volatile __s64 *)&c->keep = keep;
+	*(volatile __s64 *)&c->ovf = add & ~keep;
+	*(volatile __s64 *)&c->write = -(__s64)write;
+}
+
+#define CTL(c, f)	(*(volatile __s64 *)&(c)->f)
+
+/* x if m == ~0, y if m == 0 */
+#define SEL(m, x, y)	((y) ^ (((x) ^ (y)) & (m)))
+
+/* (v != 0) without a branch */
+static __always_inline __s64 nonzero(__s64 v)
+{
+	__s64 t = v | -v;
+
+	OPAQUE(t);
+	return (__u64)t >> 63;
+}
+
+/*
+ * Width-4 elements (I32, F32Q): one pass over the n big-endian values in
+ * sc->buf, combining them into s->rec.acc (or not: keep) and leaving in
+ * sc->buf the accumulators saturated to int32, big-endian (what an allreduce
+ * result carries).  Runs under the slot's lock: no helper calls.  Operands
+ * are int32 or sums of at most 64 of them (|x| < 2^37), so v - a cannot
+ * overflow and MAX/MIN/saturation use its sign.
+ */
+static __always_inline __u32 elems_w4(struct kccl_agg_slot *s, struct agg_scratch *sc)
+{
+	__u32 n = GET(sc, nelem);
+	struct elem_ctl *c = &sc->ctl;
+	__s64 count = CTL(c, count), add = CTL(c, add), min = CTL(c, min), nstore = CTL(c, nstore);
+	__s64 store_nadd = CTL(c, store_nadd), keep = CTL(c, keep), write = CTL(c, write), sat = 0;
+	__u32 i;
+
+#pragma clang loop unroll(disable)
+	for (i = 0; i < KCCL_AGG_MAX_ELEMS; i++) {
+		__u32 *p = (__u32 *)sc->buf + i;
+		__s64 v, a, a0, r, d, neg, hi, hm, lo, lm;
+
+		if (i >= n)
+			break;
+		v = (__s32)bpf_ntohl(*p);
+		v = SEL(count, nonzero(v), v);
+		a0 = s->rec.acc[i];
+		a = (a0 & nstore) | (v & store_nadd);
+		d = v - a;
+		neg = d >> 63;			/* ~0 if v < a */
+		OPAQUE(neg);
+		d &= neg;
+		r = SEL(min, a + d, v - d);	/* MIN: a + min(d, 0); MAX: v - min(d, 0) */
+		r = SEL(add, a + v, r);
+		r = SEL(keep, a0, r);
+		s->rec.acc[i] = r;
+
+		hi = S32_MAX - r;
+		hm = hi >> 63;			/* ~0 if r > S32_MAX */
+		OPAQUE(hm);
+		r += hi & hm;
+		lo = r - S32_MIN;
+		lm = lo >> 63;			/* ~0 if r < S32_MIN */
+		OPAQUE(lm);
+		r -= lo & lm;
+		sat |= hm | lm;
+		*p = bpf_htonl((__u32)r);
+	}
+	return (sat & write) ? ELEM_SAT : 0;
+}
+
+/* Width-8 elements (I64): the same over the full int64 range; signed
+ * comparison and SUM/AVG overflow from sign bits (Hacker's Delight 2-12/2-13). */
+static __always_inline __u32 elems_w8(struct kccl_agg_slot *s, struct agg_scratch *sc)
+{
+	__u32 n = GET(sc, nelem);
+	struct elem_ctl *c = &sc->ctl;
+	__s64 count = CTL(c, count), add = CTL(c, add), min = CTL(c, min), nstore = CTL(c, nstore);
+	__s64 store_nadd = CTL(c, store_nadd), keep = CTL(c, keep), ovf_on = CTL(c, ovf), ovf = 0;
+	__u32 i;
+
+#pragma clang loop unroll(disable)
+	for (i = 0; i < KCCL_AGG_MAX_ELEMS / 2; i++) {
+		__u64 *p = (__u64 *)sc->buf + i;
+		__s64 v, a, a0, r, d, lt, sum;
+
+		if (i >= n)
+			break;
+		v = (__s64)bpf_be64_to_cpu(*p);
+		v = SEL(count, nonzero(v), v);
+		a0 = s->rec.acc[i];
+		a = (a0 & nstore) | (v & store_nadd);
+		sum = (__s64)((__u64)a + (__u64)v);
+		ovf |= (a ^ sum) & (v ^ sum);
+		d = (__s64)((__u64)v - (__u64)a);
+		lt = (d ^ ((v ^ a) & (d ^ v))) >> 63;	/* ~0 if v < a */
+		OPAQUE(lt);
+		r = SEL(min, SEL(lt, v, a), SEL(lt, a, v));
+		r = SEL(add, sum, r);
+		r = SEL(keep, a0, r);
+		s->rec.acc[i] = r;
+		*p = bpf_cpu_to_be64((__u64)r);
+	}
+	return (ovf & ovf_on) < 0 ? ELEM_OVF : 0;
+}
+
+/* Ones' complement update of a checksum for a 16-bit field change (RFC 1624);
+ * all values as stored (network order). */
+static __always_inline void csum_replace2(__u16 *sum, __u16 old, __u16 new)
+{
+	__u32 c = (__u16)~*sum;
+
+	c += (__u16)~old;
+	c += new;
+	c = (c & 0xffff) + (c >> 16);
+	c = (c & 0xffff) + (c >> 16);
+	*sum = ~c;
+}
+
+/*
+ * Turns the contribution in ctx into the answer: ACK (out_len 0: the payload
+ * is trimmed) or RESULT (the out_len bytes at values become the payload).
+ * Addresses and ports swapped, UDP checksum 0, lengths and IP checksum fixed.
+ * Returns XDP_PASS, or XDP_DROP if the frame could not be rebuilt.
+ */
+static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_flags, bool ovf,
+				       __u64 dst_mask, __u32 out_len, const void *values)
+{
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+	struct udphdr *udp;
+	struct kccl_hdr *h;
+	__u32 ihl_len, want;
+	__u16 flags, new_tot, new_udp;
+	__u8 mac[ETH_ALEN];
+	__be32 addr;
+	__be16 port;
+
+	if ((void *)(ip + 1) > end)
+		return XDP_DROP;
+	ihl_len = ip->ihl * 4;
+	want = sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN + out_len;
+	if (out_len == 0 && want < (__u32)(end - data)) {
+		/* ACK: trim the payload (and any trailer after the datagram). */
+		if (bpf_xdp_adjust_tail(ctx, (int)want - (int)(end - data)))
+			return XDP_DROP;
+		data = (void *)(long)ctx->data;
+		end = (void *)(long)ctx->data_end;
+		eth = data;
+		ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end)
+			return XDP_DROP;
+		ihl_len = ip->ihl * 4;
+	}
+	if (ihl_len < sizeof(*ip) || out_len > KCCL_AGG_MAX_PAYLOAD)
+		return XDP_DROP;
+	if (out_len) {
+		/* The values (the payload keeps its length and place). */
+		if (bpf_xdp_store_bytes(ctx, sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN,
+					(void *)values, out_len))
+			return XDP_DROP;
+		data = (void *)(long)ctx->data;
+		end = (void *)(long)ctx->data_end;
+		eth = data;
+		ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end || ip->ihl * 4 != ihl_len)
+			return XDP_DROP;
+	}
+	udp = (void *)ip + ihl_len;
+	h = (void *)(udp + 1);
+	if ((void *)(h + 1) > end)
+		return XDP_DROP;
+
+	__builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+
+	/* A swap leaves the IP checksum as it is; the length change does not. */
+	addr = ip->saddr;
+	ip->saddr = ip->daddr;
+	ip->daddr = addr;
+	new_tot = bpf_htons(ihl_len + KCCL_ANSWER_FIXED_LEN + out_len);
+	if (new_tot != ip->tot_len) {
+		csum_replace2(&ip->check, ip->tot_len, new_tot);
+		ip->tot_len = new_tot;
+	}
+
+	port = udp->source;
+	udp->source = udp->dest;
+	udp->dest = port;
+	new_udp = KCCL_ANSWER_FIXED_LEN + out_len;
+	udp->len = bpf_htons(new_udp);
+	udp->check = 0;
+
+	flags = KCCL_F_FANOUT | (in_flags & KCCL_F_LAST_FRAG) | (ovf ? KCCL_F_OVERFLOW : 0);
+	h->type = type;
+	h->flags = bpf_htons(flags);
+	h->src_rank = bpf_htons(cfg_my_rank);
+	h->dst_mask = bpf_cpu_to_be64(dst_mask);
+	h->payload_len = bpf_htons(out_len);
+	return XDP_PASS;
+}
+
+/*
+ * Reduce: the slot's record to the ring buffer (the slot is DELIVERING, so
+ * nobody else writes it).  Wakes the reader when the ring holds more than
+ * cfg_wakeup_bytes or this was the operation's last missing chunk.
+ */
+static __always_inline int deliver(struct kccl_agg_slot *s, __u32 op_id, __u32 pay_len,
+				   __u32 msg_len, __u32 nelem)
+{
+	struct kccl_agg_op_key k = { .job_id = cfg_job_id, .op_id = op_id };
+	__u64 zero = 0, flags = BPF_RB_NO_WAKEUP, size;
+	__u64 *done;
+	bool last = true;
+
+	size = KCCL_AGG_RECORD_HDR_LEN + (__u64)nelem * 8;
+	if (size > sizeof(s->rec))
+		return -1;
+	done = bpf_map_lookup_elem(&agg_op_progress, &k);
+	if (!done) {
+		bpf_map_update_elem(&agg_op_progress, &k, &zero, BPF_NOEXIST);
+		done = bpf_map_lookup_elem(&agg_op_progress, &k);
+	}
+	/* Without a progress entry (cannot happen short of memory) wake always. */
+	if (done)
+		last = __sync_fetch_and_add(done, pay_len) + pay_len >= msg_len;
+	if (last || bpf_ringbuf_query(&agg_records, BPF_RB_AVAIL_DATA) + size > cfg_wakeup_bytes)
+		flags = BPF_RB_FORCE_WAKEUP;
+	if (bpf_ringbuf_output(&agg_records, &s->rec, size, flags)) {
+		if (done)
+			__sync_fetch_and_add(done, -(__s64)pay_len);
+		return -1;
+	}
+	if (last)
+		bpf_map_delete_elem(&agg_op_progress, &k);
+	return 0;
+}
+
+/* What the locked section decided (agg_scratch.act). */
+#define ACT_DROP	0	/* dropped; agg_scratch.why is the counter */
+#define ACT_ADDED	1	/* added, chunk not complete: consumed */
+#define ACT_DONE_RED	2	/* completed a reduce chunk: deliver + ACK */
+#define ACT_DONE_ALL	3	/* completed an allreduce chunk: RESULT */
+#define ACT_ANSWER	4	/* DONE chunk: answer this sender again */
+#define ACT_RETRY	5	/* UNDELIVERED chunk: retry the ring output */
+
+/* What a contribution needs in the locked section. */
+struct contrib {
+	__u64 mask, bit, now;
+	__u32 op_id, frag, msg_len, pay_len, mask_base, op, dt;
+	bool allreduce;
+};
+
+/*
+ * Under the slot's lock: the slot state machine (see the header comment).
+ * Writes the decision into sc (act, why, mode, write, reclaimed, ovf) and, on
+ * a claim, initialises the slot.  No helper calls.
+ */
+static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *sc,
+				   const struct contrib *c)
+{
+	__u32 act = ACT_DROP, why = KCCL_AS_NR, mode = ELEM_NONE, write = 0, reclaimed = 0;
+
+	if (s->state != KCCL_SLOT_FREE && s->rec.job_id == cfg_job_id &&
+	    s->rec.op_id == c->op_id && s->rec.frag_off == c->frag) {
+		if (s->rec.agg_op != c->op || s->rec.dtype != c->dt ||
+		    s->rec.payload_len != c->pay_len || s->rec.msg_len != c->msg_len ||
+		    s->rec.mask_base != c->mask_base || s->expected != c->mask) {
+			why = KCCL_AS_MISMATCH;
+		} else if (s->state == KCCL_SLOT_ACTIVE) {
+			if (s->seen & c->bit)
+				why = KCCL_AS_DUP;
+			else
+				mode = ELEM_COMBINE;
+		} else if (s->state == KCCL_SLOT_DONE) {
+			act = ACT_ANSWER;
+			write = c->allreduce;	/* the values go into this packet again */
+		} else if (s->state == KCCL_SLOT_UNDELIVERED) {
+			s->state = KCCL_SLOT_DELIVERING;
+			act = ACT_RETRY;
+		} else {
+			/* DELIVERING: the completer is emitting the answer now. */
+			why = KCCL_AS_DUP;
+		}
+	} else if (s->state == KCCL_SLOT_DELIVERING ||
+		   ((s->state == KCCL_SLOT_ACTIVE || s->state == KCCL_SLOT_UNDELIVERED) &&
+		    c->now - s->claimed_ns <= cfg_slot_timeout_ns)) {
+		why = KCCL_AS_BUSY;
+	} else {
+		reclaimed = s->state == KCCL_SLOT_ACTIVE || s->state == KCCL_SLOT_UNDELIVERED;
+		s->state = KCCL_SLOT_ACTIVE;
+		s->expected = c->mask;
+		s->seen = 0;
+		s->claimed_ns = c->now;
+		s->rec.job_id = cfg_job_id;
+		s->rec.op_id = c->op_id;
+		s->rec.frag_off = c->frag;
+		s->rec.msg_len = c->msg_len;
+		s->rec.payload_len = c->pay_len;
+		s->rec.mask_base = c->mask_base;
+		s->rec.agg_op = c->op;
+		s->rec.dtype = c->dt;
+		s->rec.overflow = 0;
+		s->rec.pad = 0;
+		s->rec.contributors = 0;
+		mode = ELEM_STORE;
+	}
+	if (mode != ELEM_NONE) {
+		act = ACT_ADDED;
+		if ((s->seen | c->bit) == s->expected) {
+			act = c->allreduce ? ACT_DONE_ALL : ACT_DONE_RED;
+			write = c->allreduce;
+		}
+	}
+	PUT(sc, act, act);
+	PUT(sc, why, why);
+	PUT(sc, mode, mode);
+	PUT(sc, write, write);
+	PUT(sc, reclaimed, reclaimed);
+	PUT(sc, ovf, s->rec.overflow);
+}
+
+SEC("xdp")
+int kccl_xdp_agg(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip;
+	struct udphdr *udp;
+	struct kccl_hdr *h;
+	struct kccl_member *m;
+	struct kccl_agg_slot *s;
+	struct agg_scratch *sc;
+	struct contrib c;
+	__u32 ihl_len, udp_len, tot_len, esize, nelem, chunk, idx, src, act, r = 0, zero = 0, pay_off;
+	__u16 flags;
+	__u64 len;
+	bool ovf;
+
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		goto pass;
+	ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5 ||
+	    ip->protocol != IPPROTO_UDP || (ip->frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
+		goto pass;
+	ihl_len = ip->ihl * 4;
+	udp = (void *)ip + ihl_len;
+	if ((void *)(udp + 1) > end || udp->dest != bpf_htons(cfg_port))
+		goto pass;
+	h = (void *)(udp + 1);
+	if ((void *)&h->version > end || h->magic != bpf_htonl(KCCL_MAGIC))
+		goto pass;
+
+	/* From here on the packet claims to be kccl on our port. */
+	if ((void *)(h + 1) > end)
+		goto malformed;
+	udp_len = bpf_ntohs(udp->len);
+	tot_len = bpf_ntohs(ip->tot_len);
+	if (udp_len < KCCL_ANSWER_FIXED_LEN || tot_len < ihl_len + udp_len ||
+	    sizeof(*eth) + tot_len > (__u64)(end - data) || h->version != KCCL_VERSION)
+		goto malformed;
+	if (bpf_ntohl(h->job_id) != cfg_job_id) {
+		stat_add(KCCL_AS_OTHER_JOB, 1);
+		return XDP_PASS;
+	}
+	if (h->type != KCCL_T_AGG) {
+		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK)
+			goto pass;
+		goto malformed;
+	}
+	flags = bpf_ntohs(h->flags);
+	if (flags & KCCL_F_USER_ONLY) {
+		stat_add(KCCL_AS_USER_ONLY, 1);
+		return XDP_PASS;
+	}
+	c.op = h->agg_op;
+	c.dt = h->dtype;
+	if (c.op < KCCL_OP_SUM || c.op > KCCL_OP_AVG || c.dt < KCCL_DT_I32 || c.dt > KCCL_DT_F32Q) {
+		stat_add(KCCL_AS_UNSUPPORTED, 1);
+		return XDP_PASS;
+	}
+	esize = c.dt == KCCL_DT_I64 ? 8 : 4;
+	c.pay_len = bpf_ntohs(h->payload_len);
+	c.frag = bpf_ntohl(h->frag_off);
+	c.msg_len = bpf_ntohl(h->msg_len);
+	if (c.pay_len != udp_len - KCCL_ANSWER_FIXED_LEN || c.pay_len == 0 || c.pay_len % esize ||
+	    c.pay_len > KCCL_AGG_MAX_PAYLOAD || c.pay_len > cfg_chunk_bytes ||
+	    c.frag % cfg_chunk_bytes || (__u64)c.frag + c.pay_len > c.msg_len ||
+	    ((__u64)c.frag + c.pay_len < c.msg_len && c.pay_len != cfg_chunk_bytes))
+		goto malformed;
+	c.mask_base = bpf_ntohs(h->mask_base);
+	c.mask = bpf_be64_to_cpu(h->dst_mask);
+	if (!c.mask || c.mask_base % KCCL_MASK_BITS || c.mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
+		goto malformed;
+	src = bpf_ntohs(h->src_rank);
+	if (src < c.mask_base || src >= c.mask_base + KCCL_MASK_BITS ||
+	    !((c.mask >> (src - c.mask_base)) & 1)) {
+		stat_add(KCCL_AS_NOT_CONTRIB, 1);
+		return XDP_DROP;
+	}
+	c.bit = 1ULL << (src - c.mask_base);
+	m = bpf_map_lookup_elem(&members, &src);
+	if (!m || !(m->flags & KCCL_M_PRESENT) || m->ip_be != ip->saddr) {
+		stat_add(KCCL_AS_NOT_MEMBER, 1);
+		return XDP_DROP;
+	}
+
+	nelem = c.pay_len / esize;
+	c.op_id = bpf_ntohl(h->msg_seq);
+	c.allreduce = flags & KCCL_F_ALLREDUCE;
+	chunk = c.frag / cfg_chunk_bytes;
+	idx = (c.op_id * 0x9E3779B1U + chunk) & (cfg_nslots - 1);
+	s = bpf_map_lookup_elem(&agg_slots, &idx);
+	if (!s) {
+		/* Only if the loader set max_entries below cfg_nslots. */
+		stat_add(KCCL_AS_BUSY, 1);
+		return XDP_DROP;
+	}
+	/* The loops work on a copy of the payload in per-CPU scratch memory:
+	 * packet accesses would need a bounds check per element, and each one
+	 * widens the packet range the verifier tracks, so the loop exits of
+	 * different iterations would never be equivalent states. */
+	sc = bpf_map_lookup_elem(&agg_scratch, &zero);
+	if (!sc)
+		return XDP_DROP;
+	pay_off = (void *)(h + 1) - data;
+	/* Checked above; again on an opaque 64-bit copy, so that the verifier
+	 * sees both bounds on the register passed as the size. */
+	len = c.pay_len;
+	OPAQUE(len);
+	if (len == 0 || len > KCCL_AGG_MAX_PAYLOAD)
+		goto malformed;
+	if (bpf_xdp_load_bytes(ctx, pay_off, sc->buf, len))
+		goto malformed;
+	PUT(sc, nelem, nelem);
+	/* No helper calls under the lock: read the clock before. */
+	c.now = bpf_ktime_get_ns();
+
+	bpf_spin_lock(&s->lock);
+	decide(s, sc, &c);
+	if (GET(sc, mode) != ELEM_NONE || GET(sc, write)) {
+		elem_ctl_init(&sc->ctl, c.op, GET(sc, mode), GET(sc, write));
+		if (esize == 8)
+			r = elems_w8(s, sc);
+		else
+			r = elems_w4(s, sc);
+	}
+	if (GET(sc, mode) != ELEM_NONE) {
+		s->seen |= c.bit;
+		if (r & ELEM_OVF)
+			s->rec.overflow = 1;
+		act = GET(sc, act);
+		if (act != ACT_ADDED) {
+			s->rec.contributors = s->seen;
+			s->state = act == ACT_DONE_ALL ? KCCL_SLOT_DONE : KCCL_SLOT_DELIVERING;
+			PUT(sc, ovf, s->rec.overflow);
+		}
+	}
+	bpf_spin_unlock(&s->lock);
+	ovf = GET(sc, ovf) || (r & ELEM_SAT);
+	act = GET(sc, act);
+
+	if (act == ACT_DROP) {
+		stat_add(GET(sc, why), 1);
+		return XDP_DROP;
+	}
+	if (act == ACT_ANSWER) {
+		stat_add(KCCL_AS_DUP_DONE, 1);
+		stat_add(c.allreduce ? KCCL_AS_RESULTS : KCCL_AS_ACKS, 1);
+		return make_answer(ctx, c.allreduce ? KCCL_T_AGG_RESULT : KCCL_T_AGG_ACK, flags, ovf,
+				   c.bit, c.allreduce ? c.pay_len : 0, sc->buf);
+	}
+	if (act != ACT_RETRY) {
+		stat_add(KCCL_AS_PKTS, 1);
+		if (GET(sc, reclaimed))
+			stat_add(KCCL_AS_RECLAIMED, 1);
+		if (act == ACT_ADDED)
+			return XDP_DROP;
+		stat_add(KCCL_AS_CHUNKS_DONE, 1);
+		if (ovf)
+			stat_add(KCCL_AS_OVERFLOW, 1);
+		if (act == ACT_DONE_ALL) {
+			stat_add(KCCL_AS_RESULTS, 1);
+			return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, sc->buf);
+		}
+	}
+
+	/* Reduce completion or retry: record to the ring, then the ACK. */
+	r = deliver(s, c.op_id, c.pay_len, c.msg_len, nelem);
+	bpf_spin_lock(&s->lock);
+	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
+	bpf_spin_unlock(&s->lock);
+	if (r) {
+		stat_add(KCCL_AS_RING_FULL, 1);
+		return XDP_DROP;
+	}
+	stat_add(KCCL_AS_RECORDS, 1);
+	stat_add(KCCL_AS_ACKS, 1);
+	return make_answer(ctx, KCCL_T_AGG_ACK, flags, ovf, c.mask, 0, NULL);
+
+malformed:
+	stat_add(KCCL_AS_MALFORMED, 1);
+	return XDP_DROP;
+pass:
+	stat_add(KCCL_AS_PASSED, 1);
+	return XDP_PASS;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
