@@ -132,7 +132,9 @@ impl Header {
             return Err(WireError::BadLength { claimed: h.payload_len as usize, actual: payload.len() });
         }
         let end = h.frag_off as u64 + h.payload_len as u64;
-        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0) {
+        // An empty fragment only ends an empty message, except an aggregation
+        // ACK, which names its chunk by frag_off/msg_len and carries no data.
+        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0 && h.msg_type != T_AGG_ACK) {
             return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
         }
         Ok((h, payload))
@@ -336,6 +338,12 @@ mod tests {
         let mut bad = good.clone();
         bad[4] = 9;
         assert_eq!(Header::decode(&bad), Err(WireError::BadVersion(9)));
+        // An ACK has no payload but names a chunk of a non-empty message.
+        let mut ack = sample();
+        (ack.msg_type, ack.frag_off, ack.msg_len, ack.payload_len) = (T_AGG_ACK, 1432, 4000, 0);
+        assert_eq!(Header::decode(&ack.to_bytes()).map(|x| x.0), Ok(ack));
+        ack.msg_type = T_AGG_RESULT;
+        assert!(matches!(Header::decode(&ack.to_bytes()), Err(WireError::BadFragment { .. })));
         let mut bad = good.clone();
         bad[35] = 4; // msg_len 4 < frag end 5
         assert!(matches!(Header::decode(&bad), Err(WireError::BadFragment { .. })));
