@@ -927,3 +927,57 @@ fn d_user_path_fixed_scale_redo() {
 fn d_kernel_path_fixed_scale_redo() {
     fixed_scale_redo("d_kernel_path_fixed_scale_redo", PathChoice::Kernel);
 }
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Throughput probe (ignored; timing only): allreduce of f32 SUM.
+/// KCCL_PERF_LEN (elements), KCCL_PERF_SENDERS, KCCL_PERF_WINDOW, KCCL_PERF_RTO_MS, KCCL_PERF_REPS.
+/// `cargo test --release -p kccl --test topology_aggregation z_perf -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn z_perf_allreduce_user_path() {
+    if !root_or_skip("z_perf_allreduce_user_path") {
+        return;
+    }
+    let len: usize = env_or("KCCL_PERF_LEN", 4_000_000);
+    let n: u16 = env_or("KCCL_PERF_SENDERS", 2);
+    let reps: usize = env_or("KCCL_PERF_REPS", 3);
+    let window: usize = env_or("KCCL_PERF_WINDOW", AggConfig::default().window);
+    let rto = Duration::from_millis(env_or("KCCL_PERF_RTO_MS", AggConfig::default().rto.as_millis() as u64));
+    let topo = Topo::up("agg-perf", n as usize + 1);
+    let ag = topo.group(ALLREDUCE_JOB, n, Some(n));
+    let agg = AggHost::start(&topo, &ag, PathChoice::User);
+    let barrier = Arc::new(Barrier::new(n as usize));
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (g, b) = (ag.clone(), Arc::clone(&barrier));
+            on_host(topo.ns(rank), move || {
+                let c = AggConfig { window, rto, ..cfg() };
+                let mut col = Collective::new(&g, rank, PathChoice::User, c).expect("collective");
+                let data: Vec<f32> = (0..len).map(|i| (i % 1000) as f32 * 0.001 + f32::from(rank)).collect();
+                let mut times = Vec::new();
+                for _ in 0..reps {
+                    b.wait();
+                    let t = Instant::now();
+                    let r = col.allreduce(&data, AggOp::Sum).expect("allreduce");
+                    times.push(t.elapsed());
+                    assert_eq!(r.len(), len);
+                }
+                (rank, times, col.stats())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (rank, times, s) = h.join().expect("member");
+        let best = times.iter().min().copied().unwrap_or_default();
+        println!(
+            "rank {rank}: {len} f32 x{n} window {window} rto {rto:?}: best {best:?} ({:.0} MB/s), all {times:?}; {:?}",
+            len as f64 * 4.0 / best.as_secs_f64() / 1e6,
+            s.contrib
+        );
+    }
+    let (a, _) = agg.finish();
+    println!("aggregator: {a:?}");
+}

@@ -226,10 +226,27 @@ impl Finish<'_> {
                 match *enc {
                     FinEnc::F32Q { scales, block } => {
                         let div = if op == OP_AVG { self.count.max(1) as f64 } else { 1.0 };
-                        for (k, (&v, o)) in vals.iter().zip(out.iter_mut()).enumerate() {
-                            let s = scales[(first + k) / block];
-                            let mine = own.map_or(0.0, |x| f64::from(x[k]));
-                            *o = ((v as f64 / s + mine) / div) as f32;
+                        // Runs of one scale: no per-element index arithmetic.
+                        let mut k = 0;
+                        while k < n {
+                            let b = (first + k) / block;
+                            let end = (b.saturating_add(1).saturating_mul(block) - first).min(n);
+                            let d = scales[b] * div;
+                            let (v, o) = (&vals[k..end], &mut out[k..end]);
+                            match own {
+                                Some(x) => {
+                                    let x = &x[k..end];
+                                    for ((o, &v), &x) in o.iter_mut().zip(v).zip(x) {
+                                        *o = ((v as f64 / scales[b] + f64::from(x)) / div) as f32;
+                                    }
+                                }
+                                None => {
+                                    for (o, &v) in o.iter_mut().zip(v) {
+                                        *o = (v as f64 / d) as f32;
+                                    }
+                                }
+                            }
+                            k = end;
                         }
                     }
                     FinEnc::F32Ord => {
