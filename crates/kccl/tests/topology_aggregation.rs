@@ -698,6 +698,9 @@ fn bad_input(test: &str, choice: PathChoice) {
                     bad.push(format!("root: mismatch not counted: {:?}", stats.agg));
                 }
             }
+            // The kernel drops mismatching contributions itself (counted in
+            // its map); the root then times out with the hint.
+            (3, Err(Error::Timeout { what, .. })) if choice == PathChoice::Kernel && what.contains("same length") => {}
             (3, other) => bad.push(format!("root: expected Error::Mismatch naming rank 1, got {other:?}")),
             (_, Err(Error::Timeout { what, .. })) => {
                 if !(what.contains("unanswered") && what.contains("chunks 0")) {

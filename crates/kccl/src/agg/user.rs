@@ -435,6 +435,11 @@ impl UserAggregator {
             return;
         }
         if same && state == State::Active {
+            // The owner first: a local root that runs this op names the
+            // mismatch against what it expects, whichever packet came first.
+            if slot_meta != meta && !self.admitted(h, sink) {
+                return;
+            }
             if slot_meta != meta {
                 let d = format!("sent {}, the chunk is {}", meta.describe(), slot_meta.describe());
                 self.stats.mismatch += 1;
@@ -832,11 +837,16 @@ mod tests {
     struct Out {
         done: Vec<(u32, u32, Vec<i64>, bool)>,
         admit: Option<Admit>,
+        /// Like a local root: refuse other message lengths.
+        expect_len: Option<u32>,
     }
 
     impl AggSink for Out {
-        fn admit(&mut self, _: &Header) -> Admit {
-            self.admit.clone().unwrap_or(Admit::Yes)
+        fn admit(&mut self, h: &Header) -> Admit {
+            match self.expect_len {
+                Some(l) if h.msg_len != l => Admit::Mismatch(format!("root expects {l} bytes")),
+                _ => self.admit.clone().unwrap_or(Admit::Yes),
+            }
         }
         fn deliver(&mut self, d: &ChunkDone<'_>) {
             self.done.push((d.op_id, d.frag_off, d.values.to_vec(), d.overflow))
@@ -980,6 +990,26 @@ mod tests {
         feed(&mut a, &contrib(3, 0, 0, &[3, 3, 3, 3], 8, OP_SUM, false), 3, &mut out);
         assert_eq!(out.done.len(), 1);
         assert_eq!(out.done[0].2, vec![6; 4]);
+    }
+
+    /// A local root learns of a mismatch whether the bad packet comes
+    /// first (no slot yet) or after good ones (slot active).
+    #[test]
+    fn the_owner_sees_mismatches_in_either_order() {
+        for bad_first in [true, false] {
+            let mut a = agg(8);
+            let mut out = Out { expect_len: Some(16), ..Out::default() };
+            let good = contrib(1, 0, 0, &[1; 4], 4, OP_SUM, false);
+            let bad = contrib(2, 0, 0, &[1; 4], 8, OP_SUM, false);
+            let order = if bad_first { [(&bad, 2), (&good, 1)] } else { [(&good, 1), (&bad, 2)] };
+            for (p, r) in order {
+                feed(&mut a, p, r, &mut out);
+            }
+            let ev = a.take_mismatches();
+            assert_eq!(a.stats().mismatch, 1, "bad first: {bad_first}");
+            assert_eq!((ev.len(), ev[0].rank), (1, 2));
+            assert!(ev[0].detail.contains("root expects 16"), "{}", ev[0].detail);
+        }
     }
 
     #[test]
