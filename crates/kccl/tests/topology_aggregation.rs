@@ -30,8 +30,12 @@
 //! within the bound of docs/AGGREGATION.md (per chunk: n/(2s) with the
 //! chunk's scale, plus half an ulp of the float32 result).
 //!
-//! Each test is parametrized by path; the kernel variants need the cargo
-//! feature `kernel-agg` (the XDP/TC aggregation of the kernel_agg branch)
+//! Each test is parametrized by path: `user` (every role in user space),
+//! `kernel` (every member and the aggregator with `--path kernel`: each
+//! loads the engine, since any member can be a reduce root) and
+//! `kernel_aggregator_only` (only the reduce root / allreduce aggregator on
+//! the kernel path, contributors without BPF).  The kernel variants need the
+//! cargo feature `kernel-agg` (crate::kernel_agg, from the agg-bpf branch)
 //! and root.  Without root each test prints `SKIPPED <test>: needs root`.
 //!
 //! Run: `cargo test --release -p kccl --test topology_aggregation -- --test-threads=1 --nocapture`
@@ -49,6 +53,73 @@ use kccl::error::{is_root, Error};
 use kccl::group::{Group, Member};
 use kccl::netns;
 use kccl::wire::{Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
+
+/// Which path each role runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Paths {
+    /// Every member and the aggregator on the user-space path.
+    User,
+    /// Every member and the aggregator on the kernel path (`--path kernel`
+    /// everywhere: each member loads the engine, as a reduce root needs it).
+    #[cfg_attr(not(feature = "kernel-agg"), allow(dead_code))]
+    Kernel,
+    /// Only the aggregating rank (reduce root, allreduce aggregator) on the
+    /// kernel path; the contributors run no BPF.
+    #[cfg_attr(not(feature = "kernel-agg"), allow(dead_code))]
+    KernelAggregatorOnly,
+}
+
+impl Paths {
+    /// The reduce root and the allreduce aggregator.
+    fn aggregating(self) -> PathChoice {
+        match self {
+            Paths::User => PathChoice::User,
+            _ => PathChoice::Kernel,
+        }
+    }
+
+    fn contributor(self) -> PathChoice {
+        match self {
+            Paths::Kernel => PathChoice::Kernel,
+            _ => PathChoice::User,
+        }
+    }
+
+    fn kernel(self) -> bool {
+        self != Paths::User
+    }
+}
+
+fn path_of(c: PathChoice) -> Path {
+    if c == PathChoice::User {
+        Path::User
+    } else {
+        Path::Kernel
+    }
+}
+
+/// Counters of the kernel aggregation (xdp_agg/tc_agg_result) of an
+/// aggregating rank; zero on the user path.
+#[derive(Debug, Clone, Copy, Default)]
+struct KernelCounters {
+    pkts: u64,
+    results: u64,
+    mismatch: u64,
+    not_member: u64,
+    overflow: u64,
+}
+
+#[cfg(feature = "kernel-agg")]
+fn kernel_counters(s: Option<kccl::kernel_agg::AggStats>) -> KernelCounters {
+    s.map(|k| KernelCounters {
+        pkts: k.pkts,
+        results: k.results,
+        mismatch: k.mismatch,
+        not_member: k.not_member,
+        overflow: k.overflow,
+    })
+    .unwrap_or_default()
+}
 
 const REDUCE_JOB: u32 = 11;
 const ALLREDUCE_JOB: u32 = 12;
@@ -357,7 +428,14 @@ fn on_host<T: Send + 'static>(ns: String, f: impl FnOnce() -> T + Send + 'static
 /// The allreduce aggregator of `group` on its host until the guard drops.
 struct AggHost {
     stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<(AggStats, Vec<String>)>>,
+    thread: Option<std::thread::JoinHandle<AggOutcome>>,
+}
+
+/// What the aggregator counted: user space, mismatch reports, kernel.
+struct AggOutcome {
+    user: AggStats,
+    mismatches: Vec<String>,
+    kernel: KernelCounters,
 }
 
 impl AggHost {
@@ -371,28 +449,34 @@ impl AggHost {
                 Ok(a) => a,
                 Err(e) => {
                     let _ = tx.send(Err(e.to_string()));
-                    return (AggStats::default(), vec![]);
+                    return AggOutcome {
+                        user: AggStats::default(),
+                        mismatches: vec![],
+                        kernel: KernelCounters::default(),
+                    };
                 }
             };
             let _ = tx.send(Ok((a.path(), a.path_reason().to_owned())));
             if let Err(e) = a.serve(&s) {
                 panic!("aggregator: {e}");
             }
-            let mm = a.take_mismatches().into_iter().map(|m| format!("rank {}: {}", m.rank, m.detail)).collect();
-            (a.stats(), mm)
+            #[cfg(feature = "kernel-agg")]
+            let kernel = kernel_counters(a.kernel_stats().expect("reading the kernel counters"));
+            #[cfg(not(feature = "kernel-agg"))]
+            let kernel = KernelCounters::default();
+            let mismatches =
+                a.take_mismatches().into_iter().map(|m| format!("rank {}: {}", m.rank, m.detail)).collect();
+            AggOutcome { user: a.stats(), mismatches, kernel }
         });
         match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(Ok((path, why))) => {
-                let want = if choice == PathChoice::User { Path::User } else { Path::Kernel };
-                assert_eq!(path, want, "aggregator path: {why}");
-            }
+            Ok(Ok((path, why))) => assert_eq!(path, path_of(choice), "aggregator path: {why}"),
             Ok(Err(e)) => panic!("Aggregator::new: {e}"),
             Err(e) => panic!("aggregator did not start: {e}"),
         }
         AggHost { stop, thread: Some(thread) }
     }
 
-    fn finish(mut self) -> (AggStats, Vec<String>) {
+    fn finish(mut self) -> AggOutcome {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.take().expect("running").join().expect("aggregator thread")
     }
@@ -413,7 +497,7 @@ fn run_members(
     topo: &Topo,
     group: &Group,
     ranks: &[u16],
-    choice: PathChoice,
+    paths: Paths,
     cases: &[Case],
     root: Option<u16>,
     linger: Duration,
@@ -424,9 +508,9 @@ fn run_members(
         .map(|&rank| {
             let (g, b, cs) = (group.clone(), Arc::clone(&barrier), cases.to_vec());
             on_host(topo.ns(rank), move || {
+                let choice = if Some(rank) == root { paths.aggregating() } else { paths.contributor() };
                 let mut c = Collective::new(&g, rank, choice, cfg()).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                let want = if choice == PathChoice::User { Path::User } else { Path::Kernel };
-                assert_eq!(c.path(), want, "rank {rank}: {}", c.path_reason());
+                assert_eq!(c.path(), path_of(choice), "rank {rank}: {}", c.path_reason());
                 b.wait();
                 let got: Vec<Got> =
                     cs.iter().enumerate().map(|(i, case)| run_case(&mut c, case, &gen(case, i, rank), root)).collect();
@@ -467,7 +551,7 @@ fn cases(sizes: &[usize]) -> Vec<Case> {
 
 /// N senders: reduce to rank N (which folds its own data in) and allreduce
 /// through aggregator rank N, every case checked on every member.
-fn reduce_and_allreduce(test: &str, senders: u16, choice: PathChoice, sizes: &[usize]) {
+fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize]) {
     if !root_or_skip(test) {
         return;
     }
@@ -481,7 +565,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, choice: PathChoice, sizes: &[u
     // Reduce: ranks 0..N-1 send, rank N is the root.
     let rg = topo.group(REDUCE_JOB, n, None);
     let t = Instant::now();
-    let got = run_members(&topo, &rg, &all, choice, &cases, Some(n), Duration::from_millis(200));
+    let got = run_members(&topo, &rg, &all, paths, &cases, Some(n), Duration::from_millis(200));
     let reduce_time = t.elapsed();
     let mut bad = Vec::new();
     for (i, case) in cases.iter().enumerate() {
@@ -502,15 +586,19 @@ fn reduce_and_allreduce(test: &str, senders: u16, choice: PathChoice, sizes: &[u
         }
     }
     let root_stats = got[&n].1;
+    // The kernel did the root's aggregation: nothing reached its socket.
+    if paths.kernel() && (root_stats.agg.pkts != 0 || root_stats.root_chunks == 0) {
+        bad.push(format!("kernel path root: user-space aggregation {:?}", root_stats.agg));
+    }
     assert_clean(&format!("{test}: reduce to rank {n}"), bad);
 
     // Allreduce through aggregator rank N.
     let ag = topo.group(ALLREDUCE_JOB, n, Some(n));
-    let agg = AggHost::start(&topo, &ag, choice);
+    let agg = AggHost::start(&topo, &ag, paths.aggregating());
     let t = Instant::now();
-    let got = run_members(&topo, &ag, &senders_v, choice, &cases, None, Duration::ZERO);
+    let got = run_members(&topo, &ag, &senders_v, paths, &cases, None, Duration::ZERO);
     let allreduce_time = t.elapsed();
-    let (astats, mismatches) = agg.finish();
+    let AggOutcome { user: astats, mismatches, kernel } = agg.finish();
     let mut bad = Vec::new();
     for (i, case) in cases.iter().enumerate() {
         let datas: Vec<Data> = senders_v.iter().map(|&r| gen(case, i, r)).collect();
@@ -523,13 +611,16 @@ fn reduce_and_allreduce(test: &str, senders: u16, choice: PathChoice, sizes: &[u
     if astats.rejected() != 0 || !mismatches.is_empty() {
         bad.push(format!("aggregator dropped packets: {astats:?} {mismatches:?}"));
     }
-    if choice == PathChoice::User && astats.results == 0 {
+    if !paths.kernel() && astats.results == 0 {
         bad.push(format!("user path but the user-space aggregator made no results: {astats:?}"));
+    }
+    if paths.kernel() && (astats.pkts != 0 || kernel.results == 0 || kernel.mismatch != 0) {
+        bad.push(format!("kernel path: user-space aggregator {astats:?}, kernel {kernel:?}"));
     }
     assert_clean(&format!("{test}: allreduce via rank {n}"), bad);
     println!(
         "{test}: {} cases x {senders} senders: reduce {reduce_time:?} (root: {} chunks, {} pkts, dup {}), \
-         allreduce {allreduce_time:?} (aggregator: {} pkts, {} results, {} answers, dup {}, busy {}); total {:?}",
+         allreduce {allreduce_time:?} (aggregator: {} pkts, {} results, {} answers, dup {}, busy {}; kernel {} pkts, {} results); total {:?}",
         cases.len(),
         root_stats.root_chunks,
         root_stats.agg.pkts,
@@ -539,58 +630,74 @@ fn reduce_and_allreduce(test: &str, senders: u16, choice: PathChoice, sizes: &[u
         astats.answers_sent,
         astats.dup,
         astats.busy,
+        kernel.pkts,
+        kernel.results,
         t0.elapsed()
     );
 }
 
 const SIZES: [usize; 4] = [1, 358, 359, 5000];
+/// 2 senders also do a 100 000-element case of every op and type.
+const SIZES_2: [usize; 5] = [1, 358, 359, 5000, 100_000];
 
 #[test]
 fn a_user_path_2_senders() {
-    reduce_and_allreduce("a_user_path_2_senders", 2, PathChoice::User, &[1, 358, 359, 5000, 100_000]);
+    reduce_and_allreduce("a_user_path_2_senders", 2, Paths::User, &SIZES_2);
 }
 
 #[test]
 fn a_user_path_4_senders() {
-    reduce_and_allreduce("a_user_path_4_senders", 4, PathChoice::User, &SIZES);
+    reduce_and_allreduce("a_user_path_4_senders", 4, Paths::User, &SIZES);
 }
 
 #[test]
 fn a_user_path_8_senders() {
-    reduce_and_allreduce("a_user_path_8_senders", 8, PathChoice::User, &SIZES);
+    reduce_and_allreduce("a_user_path_8_senders", 8, Paths::User, &SIZES);
 }
 
 #[test]
 fn a_user_path_16_senders() {
-    reduce_and_allreduce("a_user_path_16_senders", 16, PathChoice::User, &SIZES);
+    reduce_and_allreduce("a_user_path_16_senders", 16, Paths::User, &SIZES);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn a_kernel_path_2_senders() {
-    reduce_and_allreduce("a_kernel_path_2_senders", 2, PathChoice::Kernel, &[1, 358, 359, 5000, 100_000]);
+    reduce_and_allreduce("a_kernel_path_2_senders", 2, Paths::Kernel, &SIZES_2);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn a_kernel_path_4_senders() {
-    reduce_and_allreduce("a_kernel_path_4_senders", 4, PathChoice::Kernel, &SIZES);
+    reduce_and_allreduce("a_kernel_path_4_senders", 4, Paths::Kernel, &SIZES);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn a_kernel_path_8_senders() {
-    reduce_and_allreduce("a_kernel_path_8_senders", 8, PathChoice::Kernel, &SIZES);
+    reduce_and_allreduce("a_kernel_path_8_senders", 8, Paths::Kernel, &SIZES);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn a_kernel_path_16_senders() {
-    reduce_and_allreduce("a_kernel_path_16_senders", 16, PathChoice::Kernel, &SIZES);
+    reduce_and_allreduce("a_kernel_path_16_senders", 16, Paths::Kernel, &SIZES);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn a_kernel_aggregator_only_2_senders() {
+    reduce_and_allreduce("a_kernel_aggregator_only_2_senders", 2, Paths::KernelAggregatorOnly, &SIZES_2);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn a_kernel_aggregator_only_16_senders() {
+    reduce_and_allreduce("a_kernel_aggregator_only_16_senders", 16, Paths::KernelAggregatorOnly, &SIZES);
 }
 
 /// 22M float32 (88 MB per member), SUM, 2 senders: reduce and allreduce.
-fn large_float_sum(test: &str, choice: PathChoice) {
+fn large_float_sum(test: &str, paths: Paths) {
     if !root_or_skip(test) {
         return;
     }
@@ -599,7 +706,7 @@ fn large_float_sum(test: &str, choice: PathChoice) {
     let cases = [Case { op: AggOp::Sum, ty: Ty::F32, len: LEN }];
     let rg = topo.group(REDUCE_JOB, 2, None);
     let t = Instant::now();
-    let got = run_members(&topo, &rg, &[0, 1, 2], choice, &cases, Some(2), Duration::from_millis(200));
+    let got = run_members(&topo, &rg, &[0, 1, 2], paths, &cases, Some(2), Duration::from_millis(200));
     let dt = t.elapsed();
     let datas = [gen(&cases[0], 0, 0), gen(&cases[0], 0, 1), gen(&cases[0], 0, 2)];
     assert_clean(&format!("{test}: reduce"), check(&cases[0], 0, &datas, 2, false, 1432, &got[&2].0[0]));
@@ -616,35 +723,42 @@ fn large_float_sum(test: &str, choice: PathChoice) {
     drop(got);
 
     let ag = topo.group(ALLREDUCE_JOB, 2, Some(2));
-    let agg = AggHost::start(&topo, &ag, choice);
+    let agg = AggHost::start(&topo, &ag, paths.aggregating());
     let t = Instant::now();
-    let got = run_members(&topo, &ag, &[0, 1], choice, &cases, None, Duration::ZERO);
+    let got = run_members(&topo, &ag, &[0, 1], paths, &cases, None, Duration::ZERO);
     let dt = t.elapsed();
-    let (astats, _) = agg.finish();
+    let AggOutcome { user: astats, kernel, .. } = agg.finish();
     for (rank, (g, _)) in &got {
         assert_clean(&format!("{test}: allreduce rank {rank}"), check(&cases[0], 0, &datas[..2], 2, true, 1432, &g[0]));
     }
     println!(
         "{test}: allreduce of {LEN} f32 over 2 senders in {dt:?} ({:.0} MB/s per sender; aggregator: {} pkts, dup {}, \
-         busy {}, {} recv calls, {} send calls)",
+         busy {}, {} recv calls, {} send calls; kernel {} pkts)",
         LEN as f64 * 4.0 / dt.as_secs_f64() / 1e6,
         astats.pkts,
         astats.dup,
         astats.busy,
         astats.recv_calls,
-        astats.send_calls
+        astats.send_calls,
+        kernel.pkts
     );
 }
 
 #[test]
 fn b_user_path_22m_float32() {
-    large_float_sum("b_user_path_22m_float32", PathChoice::User);
+    large_float_sum("b_user_path_22m_float32", Paths::User);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn b_kernel_path_22m_float32() {
-    large_float_sum("b_kernel_path_22m_float32", PathChoice::Kernel);
+    large_float_sum("b_kernel_path_22m_float32", Paths::Kernel);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn b_kernel_aggregator_only_22m_float32() {
+    large_float_sum("b_kernel_aggregator_only_22m_float32", Paths::KernelAggregatorOnly);
 }
 
 /// Bad input: mismatched lengths (clear error at the root, timeouts naming
@@ -653,7 +767,7 @@ fn b_kernel_path_22m_float32() {
 /// (ignored and counted); int32 overflow (exact int64 redo: i32 SUM is an
 /// error naming the element, f32 with a fixed scale is redone exactly);
 /// and the members recover for the next call after each failure.
-fn bad_input(test: &str, choice: PathChoice) {
+fn bad_input(test: &str, paths: Paths) {
     if !root_or_skip(test) {
         return;
     }
@@ -672,6 +786,7 @@ fn bad_input(test: &str, choice: PathChoice) {
         .map(|rank| {
             let (g, c, sync) = (rg.clone(), short.clone(), Arc::clone(&sync));
             on_host(topo.ns(rank), move || {
+                let choice = if rank == 3 { paths.aggregating() } else { paths.contributor() };
                 let mut col = Collective::new(&g, rank, choice, c).expect("collective");
                 let len = if rank == 1 { 1000 } else { 1001 };
                 let data: Vec<i32> = (0..len).map(|i| i + i32::from(rank)).collect();
@@ -700,7 +815,7 @@ fn bad_input(test: &str, choice: PathChoice) {
             }
             // The kernel drops mismatching contributions itself (counted in
             // its map); the root then times out with the hint.
-            (3, Err(Error::Timeout { what, .. })) if choice == PathChoice::Kernel && what.contains("same length") => {}
+            (3, Err(Error::Timeout { what, .. })) if paths.kernel() && what.contains("same length") => {}
             (3, other) => bad.push(format!("root: expected Error::Mismatch naming rank 1, got {other:?}")),
             (_, Err(Error::Timeout { what, .. })) => {
                 if !(what.contains("unanswered") && what.contains("chunks 0")) {
@@ -724,7 +839,7 @@ fn bad_input(test: &str, choice: PathChoice) {
     //    overflows int32, an f32 SUM with a fixed scale whose sum overflows
     //    int32 (redone exactly), and a correct call after each failure.
     let ag = topo.group(ALLREDUCE_JOB, 3, Some(3));
-    let agg = AggHost::start(&topo, &ag, choice);
+    let agg = AggHost::start(&topo, &ag, paths.aggregating());
     let outsider_stop = Arc::new(AtomicBool::new(false));
     let agg_addr = SocketAddrV4::new(cluster::host_addr(3), ag.members[3].port);
     let outsider = {
@@ -766,7 +881,7 @@ fn bad_input(test: &str, choice: PathChoice) {
         .map(|rank| {
             let (g, c, sync) = (ag.clone(), short.clone(), Arc::clone(&sync));
             on_host(topo.ns(rank), move || {
-                let mut col = Collective::new(&g, rank, choice, c).expect("collective");
+                let mut col = Collective::new(&g, rank, paths.contributor(), c).expect("collective");
                 let r = i32::from(rank);
                 let mut out: Vec<String> = Vec::new();
                 // a. mismatched lengths
@@ -808,7 +923,7 @@ fn bad_input(test: &str, choice: PathChoice) {
     }
     outsider_stop.store(true, Ordering::Relaxed);
     let sent = outsider.join().expect("outsider thread");
-    let (astats, mismatches) = agg.finish();
+    let AggOutcome { user: astats, mismatches, kernel } = agg.finish();
     let mut bad = Vec::new();
     for (rank, (out, stats)) in &results {
         let expect: [&str; 6] = [
@@ -831,46 +946,58 @@ fn bad_input(test: &str, choice: PathChoice) {
             bad.push(format!("rank {rank}: no int64 redo ran: {stats:?}"));
         }
     }
-    if astats.mismatch == 0 || !mismatches.iter().any(|m| m.contains("44 bytes") || m.contains("40 bytes")) {
-        bad.push(format!("aggregator: mismatched lengths not counted/reported: {astats:?} {mismatches:?}"));
+    // The kernel counts what it drops itself; user space also names ranks.
+    let reported = mismatches.iter().any(|m| m.contains("44 bytes") || m.contains("40 bytes"));
+    if astats.mismatch + kernel.mismatch == 0 || (!paths.kernel() && !reported) {
+        bad.push(format!("aggregator: mismatched lengths not counted/reported: {astats:?} {kernel:?} {mismatches:?}"));
     }
-    if sent == 0 || (choice == PathChoice::User && astats.not_member == 0) {
-        bad.push(format!("outsider sent {sent} packets; aggregator not_member {}", astats.not_member));
+    if sent == 0 || astats.not_member + kernel.not_member == 0 {
+        bad.push(format!(
+            "outsider sent {sent} packets; not_member: user {} kernel {}",
+            astats.not_member, kernel.not_member
+        ));
     }
-    if choice == PathChoice::User && astats.user_only == 0 {
+    // Both paths: the redo's USER_ONLY packets reach the user-space aggregator.
+    if astats.user_only == 0 {
         bad.push(format!("the redo did not reach the aggregator with USER_ONLY: {astats:?}"));
     }
-    println!("{test}: aggregator {astats:?}; outsider sent {sent}");
+    println!("{test}: aggregator {astats:?}; kernel {kernel:?}; outsider sent {sent}");
     assert_clean(&format!("{test}: bad allreduce input"), bad);
 }
 
 #[test]
 fn c_user_path_bad_input() {
-    bad_input("c_user_path_bad_input", PathChoice::User);
+    bad_input("c_user_path_bad_input", Paths::User);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn c_kernel_path_bad_input() {
-    bad_input("c_kernel_path_bad_input", PathChoice::Kernel);
+    bad_input("c_kernel_path_bad_input", Paths::Kernel);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn c_kernel_aggregator_only_bad_input() {
+    bad_input("c_kernel_aggregator_only_bad_input", Paths::KernelAggregatorOnly);
 }
 
 /// f32 SUM with a fixed scale whose int32 sum overflows is redone exactly in
 /// int64 (USER_ONLY) and the result is right; an element that does not fit
 /// the scale at all is refused before sending.
-fn fixed_scale_redo(test: &str, choice: PathChoice) {
+fn fixed_scale_redo(test: &str, paths: Paths) {
     if !root_or_skip(test) {
         return;
     }
     let topo = Topo::up("agg-fix", 4);
     let ag = topo.group(ALLREDUCE_JOB, 3, Some(3));
-    let agg = AggHost::start(&topo, &ag, choice);
+    let agg = AggHost::start(&topo, &ag, paths.aggregating());
     let fixed = AggConfig { quant: Quant::Fixed(1e8), ..cfg() };
     let handles: Vec<_> = (0..3u16)
         .map(|rank| {
             let (g, c) = (ag.clone(), fixed.clone());
             on_host(topo.ns(rank), move || {
-                let mut col = Collective::new(&g, rank, choice, c).expect("collective");
+                let mut col = Collective::new(&g, rank, paths.contributor(), c).expect("collective");
                 // 3 x 15 = 45: 4.5e9 does not fit int32: chunk 0 overflows,
                 // chunk 1 (elements 358..) does not.
                 let mut d = vec![0.125f32; 400];
@@ -913,22 +1040,29 @@ fn fixed_scale_redo(test: &str, choice: PathChoice) {
             bad.push(format!("rank {rank}: expected 2 redos of 1 chunk each: {stats:?}"));
         }
     }
-    let (astats, _) = agg.finish();
-    if choice == PathChoice::User && astats.overflow != 2 {
-        bad.push(format!("aggregator: {} overflowed chunks, expected 2", astats.overflow));
+    let AggOutcome { user: astats, kernel, .. } = agg.finish();
+    // Who saturated: user space on the user path, the kernel on the other.
+    if astats.overflow + kernel.overflow != 2 {
+        bad.push(format!("aggregator: {astats:?} {kernel:?}: expected 2 overflowed chunks"));
     }
     assert_clean(test, bad);
 }
 
 #[test]
 fn d_user_path_fixed_scale_redo() {
-    fixed_scale_redo("d_user_path_fixed_scale_redo", PathChoice::User);
+    fixed_scale_redo("d_user_path_fixed_scale_redo", Paths::User);
 }
 
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn d_kernel_path_fixed_scale_redo() {
-    fixed_scale_redo("d_kernel_path_fixed_scale_redo", PathChoice::Kernel);
+    fixed_scale_redo("d_kernel_path_fixed_scale_redo", Paths::Kernel);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn d_kernel_aggregator_only_fixed_scale_redo() {
+    fixed_scale_redo("d_kernel_aggregator_only_fixed_scale_redo", Paths::KernelAggregatorOnly);
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -981,6 +1115,5 @@ fn z_perf_allreduce_user_path() {
             s.contrib
         );
     }
-    let (a, _) = agg.finish();
-    println!("aggregator: {a:?}");
+    println!("aggregator: {:?}", agg.finish().user);
 }

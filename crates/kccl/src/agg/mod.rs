@@ -305,6 +305,14 @@ impl AggBackend {
         }
     }
 
+    #[cfg(feature = "kernel-agg")]
+    fn kernel_stats(&self) -> Result<Option<crate::kernel_agg::AggStats>> {
+        match self {
+            AggBackend::User(_) => Ok(None),
+            AggBackend::Kernel(k) => k.engine().stats().map(Some),
+        }
+    }
+
     /// Completed reduce chunks of the kernel (ring buffer records).
     fn poll(&mut self, timeout: Duration, sink: &mut dyn AggSink) -> Result<usize> {
         match self {
@@ -870,6 +878,12 @@ impl Collective {
     /// Mismatching contributions this member's aggregator role refused.
     pub fn take_mismatches(&mut self) -> Vec<MismatchEvent> {
         self.backend.user_mut().take_mismatches()
+    }
+
+    /// Counters of xdp_agg/tc_agg_result (None on the user path).
+    #[cfg(feature = "kernel-agg")]
+    pub fn kernel_stats(&self) -> Result<Option<crate::kernel_agg::AggStats>> {
+        self.backend.kernel_stats()
     }
 
     fn timing(&self) -> Timing {
@@ -1513,6 +1527,12 @@ impl Aggregator {
     /// Mismatching contributions refused since the last call.
     pub fn take_mismatches(&mut self) -> Vec<MismatchEvent> {
         self.backend.user_mut().take_mismatches()
+    }
+
+    /// Counters of xdp_agg/tc_agg_result (None on the user path).
+    #[cfg(feature = "kernel-agg")]
+    pub fn kernel_stats(&self) -> Result<Option<crate::kernel_agg::AggStats>> {
+        self.backend.kernel_stats()
     }
 
     /// Serves until `stop` is set (checked at least every 100 ms).
