@@ -208,6 +208,12 @@ pub struct RecvBatch {
     dirty: usize,
 }
 
+// SAFETY: the raw pointers in `hdrs`/`iovs` only ever point into heap
+// buffers owned by the same RecvBatch (bufs, names, iovs, cmsg: Vecs that
+// are never resized), so they stay valid when the batch moves to another
+// thread, and nothing else holds them.
+unsafe impl Send for RecvBatch {}
+
 impl RecvBatch {
     pub fn new(slots: usize, dgram_max: usize) -> RecvBatch {
         let slots = slots.clamp(1, MAX_BATCH);

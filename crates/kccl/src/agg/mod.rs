@@ -40,8 +40,8 @@ use crate::group::{check_chunk_bytes, Group, Member};
 use crate::netns;
 use crate::sock::{BatchSocket, RecvBatch};
 use crate::wire::{
-    Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN,
-    OP_SUM, T_AGG, T_AGG_ACK, T_AGG_RESULT,
+    Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM, T_AGG,
+    T_AGG_ACK, T_AGG_RESULT,
 };
 
 pub use crate::bcast::{Path, PathChoice};
@@ -674,18 +674,18 @@ struct RootSink<'s, 'a> {
 impl AggSink for RootSink<'_, '_> {
     fn admit(&mut self, h: &Header) -> Admit {
         if let Some(st) = self.state.as_deref_mut() {
-            let which = if h.msg_seq == st.main.op_id {
-                Some(st.main)
-            } else {
-                st.pre.filter(|p| p.op_id == h.msg_seq)
-            };
+            let which =
+                if h.msg_seq == st.main.op_id { Some(st.main) } else { st.pre.filter(|p| p.op_id == h.msg_seq) };
             if let Some(e) = which {
                 return match e.check(h) {
                     Ok(()) => Admit::Yes,
                     Err(detail) => {
                         if st.error.is_none() {
-                            st.error =
-                                Some(Error::Mismatch { what: st.what.clone(), rank: h.src_rank, detail: detail.clone() });
+                            st.error = Some(Error::Mismatch {
+                                what: st.what.clone(),
+                                rank: h.src_rank,
+                                detail: detail.clone(),
+                            });
                         }
                         Admit::Mismatch(detail)
                     }
@@ -1617,6 +1617,84 @@ mod tests {
         assert!(resolve_config(&grp, &me, &bad).is_err());
         let bad = AggConfig { chunk_bytes: Some(1001), ..AggConfig::default() };
         assert!(resolve_config(&grp, &me, &bad).expect_err("odd").to_string().contains("multiple of 8"));
+    }
+
+    /// Members on 127.0.0.1 with their own ports: the whole API without
+    /// namespaces or root (ranks 0..=2 members, rank 3 the aggregator).
+    #[test]
+    fn loopback_reduce_and_allreduce() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let socks: Vec<std::net::UdpSocket> =
+            (0..4).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind")).collect();
+        let ports: Vec<u16> = socks.iter().map(|s| s.local_addr().expect("addr").port()).collect();
+        drop(socks);
+        let members = ports
+            .iter()
+            .enumerate()
+            .map(|(r, &port)| Member {
+                rank: r as u16,
+                addr: Ipv4Addr::LOCALHOST,
+                port,
+                iface: "lo".into(),
+                netns: None,
+            })
+            .collect();
+        let mut grp = Group::new("loop", 9, members);
+        grp.aggregator = Some(3);
+        let cfg = AggConfig { deadline: Duration::from_secs(10), ..AggConfig::default() };
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut agg = Aggregator::new(&grp, 3, PathChoice::User, cfg.clone()).expect("aggregator");
+        let agg_thread = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                agg.serve(&stop).expect("serve");
+                agg.stats()
+            })
+        };
+        const LEN: usize = 3000;
+        let len = LEN;
+        let data = |r: u16| -> Vec<f32> { (0..LEN).map(|i| (i as f32 - 1500.0) * 0.01 + f32::from(r)).collect() };
+        let ints = |r: u16| -> Vec<i64> { (0..LEN as i64).map(|i| i * (i64::from(r) + 1) - 7).collect() };
+        let threads: Vec<_> = (0..3u16)
+            .map(|r| {
+                let (g, c) = (grp.clone(), cfg.clone());
+                std::thread::spawn(move || {
+                    let mut col = Collective::new(&g, r, PathChoice::User, c).expect("collective");
+                    let sum = col.allreduce(&data(r), AggOp::Sum).expect("allreduce");
+                    let max = col.allreduce(&ints(r), AggOp::Max).expect("allreduce max");
+                    let red = col.reduce(&ints(r), AggOp::Sum, 1).expect("reduce");
+                    let avg = col.reduce(&data(r), AggOp::Avg, 0).expect("reduce avg");
+                    (r, sum, max, red, avg)
+                })
+            })
+            .collect();
+        for t in threads {
+            let (r, sum, max, red, avg) = t.join().expect("member");
+            for i in 0..len {
+                let want: f64 = (0..3u16).map(|k| f64::from(data(k)[i])).sum();
+                // e <= 5 here (|x| < 18), n = 3, h = 2: bound 3 * 2^(5+2-31).
+                assert!((f64::from(sum[i]) - want).abs() <= 3.0 * 2f64.powi(-24) + 1e-5, "rank {r} [{i}]");
+                assert_eq!(max[i], ints(2)[i].max(ints(0)[i]), "rank {r} [{i}]");
+            }
+            match (r, red, avg) {
+                (1, Some(v), None) => {
+                    assert_eq!(v, (0..len as i64).map(|i| i * 6 - 21).collect::<Vec<_>>());
+                }
+                (0, None, Some(v)) => {
+                    for (i, x) in v.iter().enumerate() {
+                        let want: f64 = (0..3u16).map(|k| f64::from(data(k)[i])).sum::<f64>() / 3.0;
+                        assert!((f64::from(*x) - want).abs() <= 1e-5, "avg [{i}] = {x}, want {want}");
+                    }
+                }
+                (2, None, None) => {}
+                other => panic!("rank {r}: unexpected roles {other:?}"),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let st = agg_thread.join().expect("aggregator");
+        assert_eq!(st.rejected(), 0, "{st:?}");
+        assert!(st.results > 0);
     }
 
     #[cfg(not(feature = "kernel-agg"))]
