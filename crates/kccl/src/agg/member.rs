@@ -6,7 +6,10 @@
 //! never need the same slot).  New chunks of the window go out in one
 //! sendmmsg per round.  When no new answer arrived for `rto`, every
 //! unanswered chunk of the window is sent again (duplicates are harmless: the
-//! aggregator's bitmap suppresses them and a finished chunk answers again).
+//! aggregator's bitmap suppresses them and a finished chunk answers again);
+//! each stall doubles the wait for the next one (up to 16 x rto) until an
+//! answer arrives,
+//! so a late aggregator is not flooded with copies of the window.
 //! When no answer arrived for `deadline`, the operation fails with
 //! Error::Timeout naming the missing chunks.
 //!
@@ -116,6 +119,8 @@ pub struct Contributor<'e> {
     todo: Vec<usize>,
     last_progress: Instant,
     last_retx: Instant,
+    /// Current retransmission timeout (backs off, reset by progress).
+    cur_rto: Duration,
     started: Instant,
     overflowed: Vec<usize>,
     pub stats: ContribStats,
@@ -141,6 +146,7 @@ impl<'e> Contributor<'e> {
             todo: Vec::with_capacity(window),
             last_progress: now,
             last_retx: now,
+            cur_rto: t.rto,
             started: now,
             overflowed: Vec::new(),
             stats: ContribStats::default(),
@@ -175,8 +181,8 @@ impl<'e> Contributor<'e> {
     pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
         self.todo.clear();
         let w = self.t.window;
-        let stalled = now.duration_since(self.last_progress) >= self.t.rto
-            && now.duration_since(self.last_retx) >= self.t.rto
+        let stalled = now.duration_since(self.last_progress) >= self.cur_rto
+            && now.duration_since(self.last_retx) >= self.cur_rto
             && self.next > self.lo;
         if stalled {
             for c in self.lo..self.next {
@@ -186,6 +192,8 @@ impl<'e> Contributor<'e> {
             }
             self.stats.retransmits += self.todo.len() as u64;
             self.stats.stalls += 1;
+            // Back off until an answer comes (then rto again).
+            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
             self.last_retx = now;
         }
         let limit = (self.lo + w).min(self.nchunks);
@@ -288,13 +296,14 @@ impl<'e> Contributor<'e> {
             self.lo += 1;
         }
         self.last_progress = now;
+        self.cur_rto = self.t.rto;
         Verdict::Progress
     }
 
     /// How long to wait for answers before the next timer (rto or deadline).
     pub fn wait(&self, now: Instant) -> Duration {
         let since = now.duration_since(self.last_progress);
-        let retx = self.t.rto.saturating_sub(since.min(now.duration_since(self.last_retx)));
+        let retx = self.cur_rto.saturating_sub(since.min(now.duration_since(self.last_retx)));
         let dead = self.t.deadline.saturating_sub(since);
         retx.min(dead).max(Duration::from_micros(200))
     }
