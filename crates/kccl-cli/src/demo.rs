@@ -64,10 +64,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
 }
 
 fn loopback_group(n: usize) -> Group {
-    Group {
-        name: "loopback-demo".into(),
-        job_id: 1,
-        members: (0..n)
+    Group::new(
+        "loopback-demo",
+        1,
+        (0..n)
             .map(|i| Member {
                 rank: i as u16,
                 addr: Ipv4Addr::LOCALHOST,
@@ -76,5 +76,5 @@ fn loopback_group(n: usize) -> Group {
                 netns: None,
             })
             .collect(),
-    }
+    )
 }

@@ -1,11 +1,13 @@
-//! `kccl`: the command-line tool (cluster, broadcast, receive, bench, demo).
+//! `kccl`: the command-line tool (cluster, broadcast, receive, aggregator,
+//! bench, demo).
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
+use kccl::agg::{AggConfig, Aggregator};
 use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver};
 use kccl::bench::{write_outputs, BcastHarness, BcastRecord};
 use kccl::cluster::{self, ClusterSpec};
@@ -30,6 +32,8 @@ enum Cmd {
     Broadcast(BroadcastArgs),
     /// Receive broadcast messages and write them to stdout or a file.
     Receive(ReceiveArgs),
+    /// Run the group's allreduce aggregator (the rank named by `aggregator = <rank>`).
+    Aggregator(AggregatorArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -104,6 +108,15 @@ struct ReceiveArgs {
     timeout: Option<f64>,
 }
 
+#[derive(Args)]
+struct AggregatorArgs {
+    #[command(flatten)]
+    member: MemberArgs,
+    /// Stop after this many seconds (default: run until killed).
+    #[arg(long)]
+    seconds: Option<f64>,
+}
+
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Broadcast latency and sender CPU, kernel vs user-space path, same run.
@@ -144,6 +157,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Cluster(c) => cluster_cmd(c),
         Cmd::Broadcast(a) => broadcast(a).map(|_| ExitCode::SUCCESS),
         Cmd::Receive(a) => receive(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Aggregator(a) => aggregator(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Broadcast(a)) => bench_broadcast(a).map(|_| ExitCode::SUCCESS),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
     }
@@ -253,6 +267,19 @@ fn receive(a: ReceiveArgs) -> Result<()> {
     if dropped + s.duplicates > 0 {
         eprintln!("kccl: receive counters: {}", serde_json::to_string(&s).unwrap_or_default());
     }
+    Ok(())
+}
+
+fn aggregator(a: AggregatorArgs) -> Result<()> {
+    let (group, rank, choice) = member_setup(&a.member)?;
+    let mut agg = Aggregator::new(&group, rank, choice, AggConfig::default())?;
+    eprintln!("kccl: {}", agg.path_reason());
+    eprintln!("kccl: aggregating allreduce of group '{}' (job {}) as rank {rank}", group.name, group.job_id);
+    let end = a.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+    while end.is_none_or(|e| Instant::now() < e) {
+        agg.serve_once(Duration::from_millis(100))?;
+    }
+    eprintln!("kccl: aggregator counters: {}", serde_json::to_string(&agg.stats()).unwrap_or_default());
     Ok(())
 }
 

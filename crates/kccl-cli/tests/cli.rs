@@ -583,3 +583,25 @@ fn non_root_auto_falls_back_kernel_needs_root() {
         if is_root() { "nobody" } else { "this user" }
     );
 }
+
+/// `kccl aggregator`: refused for a group without `aggregator = <rank>` or
+/// for another rank, with the fix in the message; runs and stops after
+/// `--seconds` on the user path (loopback members, no root needed).
+#[test]
+fn aggregator_command() {
+    let dir = Scratch::new("agg");
+    let ports = free_ports(2);
+    let plain = dir.write("plain.toml", loopback_group(&ports, "lo"));
+    let o = run(&["aggregator", "--group", s(&plain), "--rank", "1", "--path", "user"]);
+    let mut bad = expect_error("no aggregator key", &o, &["aggregator = 1"]);
+    let with = dir.write("with.toml", format!("aggregator = 1\n{}", loopback_group(&ports, "lo")));
+    let o = run(&["aggregator", "--group", s(&with), "--rank", "0", "--path", "user"]);
+    bad.extend(expect_error("wrong rank", &o, &["not the group's aggregator", "aggregator = 1"]));
+    let o = run(&["aggregator", "--group", s(&with), "--rank", "1", "--path", "user", "--seconds", "0.3"]);
+    if !o.status.success() {
+        bad.push(format!("aggregator --seconds 0.3 failed: {}", err_of(&o)));
+    } else if !err_of(&o).contains("user-space path") || !err_of(&o).contains("aggregator counters") {
+        bad.push(format!("aggregator output: {}", err_of(&o)));
+    }
+    assert_clean("aggregator_command", bad);
+}

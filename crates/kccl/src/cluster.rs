@@ -506,10 +506,10 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
     })?;
 
     // 5. The group file.
-    let group = Group {
-        name: name.to_owned(),
-        job_id: spec.job_id,
-        members: hosts
+    let group = Group::new(
+        name,
+        spec.job_id,
+        hosts
             .iter()
             .map(|h| Member {
                 rank: h.index as u16,
@@ -519,7 +519,7 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
                 netns: Some(h.netns.clone()),
             })
             .collect(),
-    };
+    );
     let dir = state_dir(name);
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let path = group_path(name);

@@ -59,6 +59,25 @@ pub enum Error {
 
     #[error("malformed aggregation record on the ring buffer: {0}")]
     AggRecord(String),
+
+    #[error(
+        "element {index} is NaN or infinite: float32 data can only be aggregated when finite \
+         (nothing was sent; the other members of the operation will time out)"
+    )]
+    NonFinite { index: usize },
+
+    #[error("{what}: {detail}")]
+    Overflow { what: String, detail: String },
+
+    #[error("{what}: rank {rank} {detail}; every member must pass the same length, op and element type")]
+    Mismatch { what: String, rank: u16, detail: String },
+
+    #[error(
+        "{what}: {count} contributors (ranks {first}..={last}) do not fit one 64-rank aggregation mask \
+         (ranks [{base}, {base}+64)); aggregate at most 64 ranks of one 64-aligned block \
+         (hierarchical aggregation is a later roadmap item)"
+    )]
+    TooManyContributors { what: String, count: usize, first: u16, last: u16, base: u16 },
 }
 
 impl Error {

@@ -3,6 +3,9 @@
 //! ```toml
 //! name = "demo"          # optional, for messages
 //! job = 1                # job id carried in every kccl header
+//! aggregator = 4         # optional: rank that aggregates allreduce (runs
+//!                        # `kccl aggregator`, contributes nothing)
+//! chunk_bytes = 1432     # optional: aggregation chunk (multiple of 8, 8..=3432)
 //!
 //! [[member]]
 //! rank = 0
@@ -26,6 +29,9 @@ use crate::error::{Error, Result};
 /// Highest rank + 1 that the kernel maps hold (bpf/include/kccl_bcast.h).
 pub const MAX_MEMBERS: usize = 4096;
 
+/// Aggregation chunk for a 1500-byte MTU (1500 - IPv4 - UDP - kccl header).
+pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     pub rank: u16,
@@ -41,6 +47,10 @@ pub struct Group {
     pub job_id: u32,
     /// Sorted by rank.
     pub members: Vec<Member>,
+    /// The allreduce aggregator rank (`aggregator = <rank>`), if any.
+    pub aggregator: Option<u16>,
+    /// Aggregation chunk size in bytes (`chunk_bytes`, default 1432).
+    pub chunk_bytes: u32,
 }
 
 #[derive(Deserialize)]
@@ -48,6 +58,8 @@ pub struct Group {
 struct RawGroup {
     name: Option<String>,
     job: u32,
+    aggregator: Option<toml::Spanned<i64>>,
+    chunk_bytes: Option<toml::Spanned<i64>>,
     #[serde(default)]
     member: Vec<toml::Spanned<RawMember>>,
 }
@@ -119,11 +131,48 @@ impl Group {
         if by_rank.len() < 2 {
             return Err(err(None, "a group needs at least 2 members".into()));
         }
+        let aggregator = match &raw.aggregator {
+            None => None,
+            Some(a) => {
+                let line = Some(line_of(text, a.span().start));
+                let v = *a.get_ref();
+                match u16::try_from(v).ok().filter(|r| by_rank.contains_key(r)) {
+                    Some(r) => Some(r),
+                    None => {
+                        let ranks: Vec<String> = by_rank.keys().map(|r| r.to_string()).collect();
+                        return Err(err(
+                            line,
+                            format!(
+                                "`aggregator`: {v} is not a member rank (members: {}); name the rank that runs \
+                                 `kccl aggregator`",
+                                ranks.join(",")
+                            ),
+                        ));
+                    }
+                }
+            }
+        };
+        let chunk_bytes = match &raw.chunk_bytes {
+            None => DEFAULT_CHUNK_BYTES,
+            Some(c) => {
+                let v = *c.get_ref();
+                check_chunk_bytes(v).map_err(|m| err(Some(line_of(text, c.span().start)), m))?
+            }
+        };
         Ok(Group {
             name: raw.name.unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into()).unwrap_or_default()),
             job_id: raw.job,
             members: by_rank.into_values().map(|(_, m)| m).collect(),
+            aggregator,
+            chunk_bytes,
         })
+    }
+
+    /// A group with the default aggregation settings (no aggregator rank,
+    /// 1432-byte chunks).
+    pub fn new(name: &str, job_id: u32, mut members: Vec<Member>) -> Group {
+        members.sort_by_key(|m| m.rank);
+        Group { name: name.to_owned(), job_id, members, aggregator: None, chunk_bytes: DEFAULT_CHUNK_BYTES }
     }
 
     pub fn member(&self, rank: u32) -> Result<&Member> {
@@ -184,6 +233,10 @@ impl Group {
     /// Serializes to the group-file format (used by `kccl cluster up`).
     pub fn to_toml(&self) -> String {
         let mut s = format!("# kccl group file\nname = {:?}\njob = {}\n", self.name, self.job_id);
+        if let Some(a) = self.aggregator {
+            let _ = writeln!(s, "aggregator = {a}");
+        }
+        let _ = writeln!(s, "chunk_bytes = {}", self.chunk_bytes);
         for m in &self.members {
             let _ = write!(
                 s,
@@ -200,6 +253,18 @@ impl Group {
     pub fn save(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.to_toml()).map_err(|e| Error::io(format!("writing group file {}", path.display()), e))
     }
+}
+
+/// A chunk size the kernel can aggregate: whole int64 elements and one
+/// packet of at most KCCL_AGG_MAX_PAYLOAD bytes.
+pub fn check_chunk_bytes(v: i64) -> std::result::Result<u32, String> {
+    let max = crate::wire::AGG_MAX_PAYLOAD as i64;
+    if !(8..=max).contains(&v) || v % 8 != 0 {
+        return Err(format!(
+            "`chunk_bytes`: {v} must be a multiple of 8 in [8, {max}] (1432 for a 1500-byte MTU, 3432 for MTU 3500)"
+        ));
+    }
+    Ok(v as u32)
 }
 
 fn line_of(text: &str, byte: usize) -> usize {
@@ -290,6 +355,30 @@ netns = "h1"
         assert!(e.contains("member"), "{e}");
         let e = err_text(&GOOD.replace("10.0.0.2\"\nport = 4000", "10.0.0.1\"\nport = 4000"));
         assert!(e.contains("already used by rank 0"), "{e}");
+    }
+
+    #[test]
+    fn aggregation_keys() {
+        let g = p(GOOD).expect("valid");
+        assert_eq!((g.aggregator, g.chunk_bytes), (None, DEFAULT_CHUNK_BYTES));
+        let t = GOOD.replace("job = 7\n", "job = 7\naggregator = 1\nchunk_bytes = 3432\n");
+        let g = p(&t).expect("valid");
+        assert_eq!((g.aggregator, g.chunk_bytes), (Some(1), 3432));
+        assert_eq!(p(&g.to_toml()).expect("round trip"), g);
+        let e = err_text(&GOOD.replace("job = 7\n", "job = 7\naggregator = 5\n"));
+        assert!(e.contains("line 3") && e.contains("`aggregator`") && e.contains("members: 0,1"), "{e}");
+        let e = err_text(&GOOD.replace("job = 7\n", "job = 7\naggregator = -1\n"));
+        assert!(e.contains("`aggregator`") && e.contains("-1"), "{e}");
+        let e = err_text(&GOOD.replace("job = 7\n", "job = 7\naggregator = \"x\"\n"));
+        assert!(e.contains("aggregator") && e.contains("line 3"), "{e}");
+        for bad in ["0", "4", "12", "3440", "1433", "-8"] {
+            let e = err_text(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {bad}\n")));
+            assert!(e.contains("line 3") && e.contains("`chunk_bytes`") && e.contains(bad), "{bad}: {e}");
+        }
+        for good in ["8", "1432", "3432"] {
+            let g = p(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {good}\n"))).expect(good);
+            assert_eq!(g.chunk_bytes.to_string(), good);
+        }
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //! - [`kernel`]: the BPF data plane (skeletons, maps, links);
 //! - [`kernel_agg`]: the aggregation engine (xdp_agg + tc_agg_result);
 //! - [`bcast`]: broadcast sender and receiver over both paths;
+//! - [`agg`]: reduce and allreduce (aggregation) over both paths;
 //! - [`cluster`]: a local virtual cluster of hosts in network namespaces;
 //! - [`bench`]: the benchmarks behind `kccl bench` and `kccl demo`.
 
+pub mod agg;
 pub mod bcast;
 pub mod bench;
 pub mod cluster;

@@ -157,7 +157,8 @@ impl BatchSocket {
             }
         }
         let n = rb.bufs.len();
-        for i in 0..n {
+        // Only the headers the last call filled were changed by the kernel.
+        for i in 0..rb.dirty.min(n) {
             let h = &mut rb.hdrs[i].msg_hdr;
             h.msg_name = (&mut rb.names[i] as *mut libc::sockaddr_in).cast();
             h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
@@ -187,6 +188,7 @@ impl BatchSocket {
                 return Err(Error::io("recvmmsg", e));
             }
             rb.filled = got as usize;
+            rb.dirty = rb.filled;
             return Ok(rb.filled);
         }
     }
@@ -201,7 +203,16 @@ pub struct RecvBatch {
     /// Control buffers (u64 for alignment) for the receive timestamps.
     cmsg: Vec<[u64; 8]>,
     filled: usize,
+    /// Headers to (re)initialise before the next call: all at first, then
+    /// those the previous call filled.
+    dirty: usize,
 }
+
+// SAFETY: the raw pointers in `hdrs`/`iovs` only ever point into heap
+// buffers owned by the same RecvBatch (bufs, names, iovs, cmsg: Vecs that
+// are never resized), so they stay valid when the batch moves to another
+// thread, and nothing else holds them.
+unsafe impl Send for RecvBatch {}
 
 impl RecvBatch {
     pub fn new(slots: usize, dgram_max: usize) -> RecvBatch {
@@ -214,6 +225,7 @@ impl RecvBatch {
             hdrs: (0..slots).map(|_| unsafe { std::mem::zeroed() }).collect(),
             cmsg: vec![[0u64; 8]; slots],
             filled: 0,
+            dirty: slots,
         }
     }
 

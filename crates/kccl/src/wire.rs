@@ -17,6 +17,20 @@ pub const F_ALLREDUCE: u16 = 1 << 2;
 pub const F_OVERFLOW: u16 = 1 << 3;
 pub const F_USER_ONLY: u16 = 1 << 4;
 pub const MASK_BITS: usize = 64;
+// enum kccl_agg_op
+pub const OP_SUM: u8 = 1;
+pub const OP_COUNT: u8 = 2;
+pub const OP_MAX: u8 = 3;
+pub const OP_MIN: u8 = 4;
+pub const OP_AVG: u8 = 5;
+// enum kccl_dtype
+pub const DT_I32: u8 = 1;
+pub const DT_I64: u8 = 2;
+pub const DT_F32Q: u8 = 3;
+/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD).
+pub const AGG_MAX_PAYLOAD: usize = 3432;
+/// KCCL_AGG_MAX_ELEMS: int32 elements in the largest chunk.
+pub const AGG_MAX_ELEMS: usize = AGG_MAX_PAYLOAD / 4;
 /// Largest UDP payload in a 1500-byte MTU (IPv4, no options).
 pub const MAX_UDP_PAYLOAD_1500: usize = 1500 - 20 - 8;
 /// Largest message bytes per packet in a 1500-byte MTU.
@@ -118,7 +132,9 @@ impl Header {
             return Err(WireError::BadLength { claimed: h.payload_len as usize, actual: payload.len() });
         }
         let end = h.frag_off as u64 + h.payload_len as u64;
-        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0) {
+        // An empty fragment only ends an empty message, except an aggregation
+        // ACK, which names its chunk by frag_off/msg_len and carries no data.
+        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0 && h.msg_type != T_AGG_ACK) {
             return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
         }
         Ok((h, payload))
@@ -176,6 +192,112 @@ mod tests {
         assert_eq!(p, b"hello");
     }
 
+    /// An aggregation contribution (T_AGG with op and dtype): the two bytes
+    /// that are zero for broadcast carry them.
+    #[test]
+    fn golden_bytes_aggregation() {
+        let h = Header {
+            version: VERSION,
+            msg_type: T_AGG,
+            flags: F_LAST_FRAG | F_ALLREDUCE,
+            job_id: 7,
+            src_rank: 3,
+            mask_base: 0,
+            dst_mask: 0b1110,
+            msg_seq: 42,
+            frag_off: 2864,
+            msg_len: 2872,
+            payload_len: 8,
+            agg_op: OP_MAX,
+            dtype: DT_I32,
+        };
+        let golden: [u8; HDR_LEN] = [
+            0x4b, 0x43, 0x43, 0x4c, // magic
+            0x01, 0x02, 0x00, 0x06, // version, T_AGG, LAST_FRAG|ALLREDUCE
+            0x00, 0x00, 0x00, 0x07, // job_id
+            0x00, 0x03, 0x00, 0x00, // src_rank, mask_base
+            0, 0, 0, 0, 0, 0, 0, 0x0e, // dst_mask: contributors 1, 2, 3
+            0x00, 0x00, 0x00, 0x2a, // msg_seq = op id
+            0x00, 0x00, 0x0b, 0x30, // frag_off = 2 * 1432
+            0x00, 0x00, 0x0b, 0x38, // msg_len
+            0x00, 0x08, 0x03, 0x01, // payload_len, agg_op MAX, dtype I32
+        ];
+        assert_eq!(h.to_bytes(), golden);
+        let mut dgram = golden.to_vec();
+        dgram.extend_from_slice(&[0, 0, 0, 1, 0xff, 0xff, 0xff, 0xfe]);
+        let (back, p) = Header::decode(&dgram).expect("golden decodes");
+        assert_eq!(back, h);
+        assert_eq!(p.len(), 8);
+    }
+
+    /// `NAME = value` of a C enum member or `#define NAME value`.
+    fn c_value(text: &str, name: &str) -> i64 {
+        for line in text.lines() {
+            let t = line.trim_start();
+            let t = t.strip_prefix("#define").unwrap_or(t).trim_start();
+            let Some(rest) = t.strip_prefix(name) else { continue };
+            if !rest.starts_with([' ', '\t', '=']) {
+                continue;
+            }
+            let expr = rest.trim_start().trim_start_matches('=');
+            let expr = expr.split([',', '/']).next().unwrap_or("").trim();
+            let num = |v: &str| -> i64 {
+                let v = v.trim().trim_end_matches('U');
+                match v.strip_prefix("0x") {
+                    Some(h) => i64::from_str_radix(h, 16),
+                    None => v.parse(),
+                }
+                .unwrap_or_else(|e| panic!("{name}: cannot parse `{v}` in `{line}`: {e}"))
+            };
+            return match expr.split_once("<<") {
+                Some((a, b)) => num(a) << num(b),
+                None => num(expr),
+            };
+        }
+        panic!("{name} not found in the C header");
+    }
+
+    /// One definition: every Rust constant equals its C counterpart, read
+    /// from the header the BPF programs are compiled with.  (The bcast
+    /// skeleton's BTF carries none of these enums, so the header text is
+    /// the reference; kccl_hdr's layout is checked against BTF below.)
+    #[test]
+    fn constants_match_c_header() {
+        let wire = include_str!("../../../bpf/include/kccl_wire.h");
+        let agg = include_str!("../../../bpf/include/kccl_agg.h");
+        let pairs: &[(&str, i64)] = &[
+            ("KCCL_MAGIC", MAGIC as i64),
+            ("KCCL_VERSION", VERSION as i64),
+            ("KCCL_T_BCAST", T_BCAST as i64),
+            ("KCCL_T_AGG", T_AGG as i64),
+            ("KCCL_T_AGG_RESULT", T_AGG_RESULT as i64),
+            ("KCCL_T_AGG_ACK", T_AGG_ACK as i64),
+            ("KCCL_OP_SUM", OP_SUM as i64),
+            ("KCCL_OP_COUNT", OP_COUNT as i64),
+            ("KCCL_OP_MAX", OP_MAX as i64),
+            ("KCCL_OP_MIN", OP_MIN as i64),
+            ("KCCL_OP_AVG", OP_AVG as i64),
+            ("KCCL_DT_I32", DT_I32 as i64),
+            ("KCCL_DT_I64", DT_I64 as i64),
+            ("KCCL_DT_F32Q", DT_F32Q as i64),
+            ("KCCL_F_FANOUT", F_FANOUT as i64),
+            ("KCCL_F_LAST_FRAG", F_LAST_FRAG as i64),
+            ("KCCL_F_ALLREDUCE", F_ALLREDUCE as i64),
+            ("KCCL_F_OVERFLOW", F_OVERFLOW as i64),
+            ("KCCL_F_USER_ONLY", F_USER_ONLY as i64),
+            ("KCCL_MASK_BITS", MASK_BITS as i64),
+            ("KCCL_HDR_LEN", HDR_LEN as i64),
+        ];
+        for (name, rust) in pairs {
+            assert_eq!(c_value(wire, name), *rust, "{name}: C header and wire.rs disagree");
+        }
+        assert_eq!(c_value(agg, "KCCL_AGG_MAX_PAYLOAD"), AGG_MAX_PAYLOAD as i64);
+        assert_eq!(AGG_MAX_PAYLOAD % 8, 0, "chunks must hold whole int64 elements");
+        // Golden values too, so a change to both sides is still noticed.
+        assert_eq!((OP_SUM, OP_COUNT, OP_MAX, OP_MIN, OP_AVG), (1, 2, 3, 4, 5));
+        assert_eq!((DT_I32, DT_I64, DT_F32Q), (1, 2, 3));
+    }
+
     /// The encoder's offsets are the C struct's offsets (from the skeleton's
     /// BTF-generated type).
     #[test]
@@ -216,6 +338,12 @@ mod tests {
         let mut bad = good.clone();
         bad[4] = 9;
         assert_eq!(Header::decode(&bad), Err(WireError::BadVersion(9)));
+        // An ACK has no payload but names a chunk of a non-empty message.
+        let mut ack = sample();
+        (ack.msg_type, ack.frag_off, ack.msg_len, ack.payload_len) = (T_AGG_ACK, 1432, 4000, 0);
+        assert_eq!(Header::decode(&ack.to_bytes()).map(|x| x.0), Ok(ack));
+        ack.msg_type = T_AGG_RESULT;
+        assert!(matches!(Header::decode(&ack.to_bytes()), Err(WireError::BadFragment { .. })));
         let mut bad = good.clone();
         bad[35] = 4; // msg_len 4 < frag end 5
         assert!(matches!(Header::decode(&bad), Err(WireError::BadFragment { .. })));

@@ -1,0 +1,68 @@
+//! The kernel aggregation backend (cargo feature `kernel-agg`): xdp_agg and
+//! tc_agg_result, loaded by `crate::kernel_agg::AggEngine`, aggregate T_AGG
+//! packets to this member's port in the kernel and fan the ACK/RESULT
+//! packets out; reduce chunks arrive as ring buffer records.  Packets the
+//! kernel passes up (USER_ONLY redo, op/type it does not do) reach the
+//! socket and are served by the user-space aggregator kept here, so both
+//! backends answer every packet of the protocol.
+//!
+//! Written against the AggEngine interface agreed for the merge:
+//! AggEngineConfig::new(job_id, port, my_rank) with pub fields chunk_bytes,
+//! nslots, slot_timeout (ring_bytes, wakeup_bytes left at their defaults);
+//! AggEngine::load(&cfg, ifindex), sync_members(&Group), stats(),
+//! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize>.
+
+use std::time::Duration;
+
+use crate::agg::user::{AggSink, ChunkDone, UserAggregator};
+use crate::agg::AggConfig;
+use crate::error::Result;
+use crate::group::{Group, Member};
+use crate::kernel_agg::{AggEngine, AggEngineConfig};
+use crate::netns;
+
+pub(crate) struct KernelBackend {
+    engine: AggEngine,
+    job_id: u32,
+    /// Serves what the kernel passes up.
+    pub user: UserAggregator,
+}
+
+impl KernelBackend {
+    pub fn load(group: &Group, me: &Member, cfg: &AggConfig, chunk: usize, user: UserAggregator) -> Result<Self> {
+        let ifindex = netns::ifindex(&me.iface, me.netns.as_deref())?;
+        let mut c = AggEngineConfig::new(group.job_id, me.port, me.rank);
+        c.chunk_bytes = chunk as u32;
+        c.nslots = cfg.nslots.next_power_of_two() as u32;
+        c.slot_timeout = cfg.slot_timeout;
+        let mut engine = AggEngine::load(&c, ifindex)?;
+        engine.sync_members(group)?;
+        Ok(KernelBackend { engine, job_id: group.job_id, user })
+    }
+
+    pub fn engine(&self) -> &AggEngine {
+        &self.engine
+    }
+
+    /// Hands every ring buffer record (completed reduce chunk) to the sink.
+    pub fn poll(&mut self, timeout: Duration, sink: &mut dyn AggSink) -> Result<usize> {
+        let job = self.job_id;
+        self.engine.poll_records(timeout, &mut |r| {
+            if r.job_id != job {
+                return;
+            }
+            sink.deliver(&ChunkDone {
+                op_id: r.op_id,
+                frag_off: r.frag_off,
+                msg_len: r.msg_len,
+                payload_len: r.payload_len as u16,
+                agg_op: r.agg_op,
+                dtype: r.dtype,
+                // u8 in struct kccl_agg_record; u8::from also takes a bool.
+                overflow: u8::from(r.overflow) != 0,
+                contributors: r.contributors,
+                values: r.values(),
+            });
+        })
+    }
+}

@@ -1,0 +1,592 @@
+//! The contributor side of one aggregation operation: windowed sending,
+//! per-chunk answer tracking, retransmission, deadline.
+//!
+//! At most `window` chunks beyond the lowest unanswered one are in flight
+//! (`window` < the aggregator's slot count, so two chunks of one operation
+//! never need the same slot).  New chunks of the window go out in one
+//! sendmmsg per round.  When no new answer arrived for `rto`, every
+//! unanswered chunk of the window is sent again (duplicates are harmless: the
+//! aggregator's bitmap suppresses them and a finished chunk answers again);
+//! each stall doubles the wait for the next one (up to 16 x rto) until an
+//! answer arrives,
+//! so a late aggregator is not flooded with copies of the window.
+//! When no answer arrived for `deadline`, the operation fails with
+//! Error::Timeout naming the missing chunks.
+//!
+//! Answers are accepted only from the aggregator's address and rank, for
+//! this job and operation, of the right type (ACK for reduce, RESULT for
+//! allreduce), chunk geometry and length; anything else is counted and
+//! dropped.
+
+use std::net::SocketAddrV4;
+use std::time::{Duration, Instant};
+
+use crate::agg::codec::Enc;
+use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
+use crate::error::{Error, Result};
+use crate::sock::{BatchSocket, Datagram};
+use crate::wire::{Header, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_RESULT};
+
+/// Counters of the contributor role (summed over operations).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ContribStats {
+    /// Distinct chunks contributed.
+    pub chunks: u64,
+    /// Contribution datagrams sent (first sends and retransmissions).
+    pub datagrams: u64,
+    pub retransmits: u64,
+    /// Retransmission rounds (stalls of `rto`).
+    pub stalls: u64,
+    pub send_calls: u64,
+    /// Answers that acknowledged a chunk.
+    pub answers: u64,
+    /// Answers for a chunk already answered.
+    pub dup_answers: u64,
+    /// Answers of an earlier operation.
+    pub stale_answers: u64,
+    /// Answers from the wrong address/rank/job, of the wrong type or shape.
+    pub bad_answers: u64,
+    /// RESULT chunks with KCCL_F_OVERFLOW.
+    pub overflow_chunks: u64,
+}
+
+impl ContribStats {
+    pub fn add(&mut self, o: &ContribStats) {
+        self.chunks += o.chunks;
+        self.datagrams += o.datagrams;
+        self.retransmits += o.retransmits;
+        self.stalls += o.stalls;
+        self.send_calls += o.send_calls;
+        self.answers += o.answers;
+        self.dup_answers += o.dup_answers;
+        self.stale_answers += o.stale_answers;
+        self.bad_answers += o.bad_answers;
+        self.overflow_chunks += o.overflow_chunks;
+    }
+}
+
+/// Everything one operation's packets carry.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// "allreduce op 5 (f32 SUM, 1000 elements)", for errors.
+    pub what: String,
+    pub job_id: u32,
+    pub my_rank: u16,
+    pub agg_rank: u16,
+    pub agg_addr: SocketAddrV4,
+    pub op_id: u32,
+    pub agg_op: u8,
+    pub chunk: usize,
+    pub allreduce: bool,
+    pub user_only: bool,
+    pub mask_base: u16,
+    pub mask: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub window: usize,
+    pub rto: Duration,
+    pub deadline: Duration,
+}
+
+/// What became of an answer-type datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// A new chunk answered (RESULT payload passed to the decoder).
+    Progress,
+    Duplicate,
+    Stale,
+    Bad,
+}
+
+pub struct Contributor<'e> {
+    spec: Spec,
+    enc: Enc<'e>,
+    dtype: u8,
+    msg_len: usize,
+    nchunks: usize,
+    t: Timing,
+    acked: Vec<u64>,
+    nacked: usize,
+    /// Lowest unanswered chunk.
+    lo: usize,
+    /// Next chunk never sent.
+    next: usize,
+    /// One packet (header + chunk) per window position: chunk c uses
+    /// position c % window while it is in the window.
+    bufs: Vec<u8>,
+    todo: Vec<usize>,
+    last_progress: Instant,
+    last_retx: Instant,
+    /// Current retransmission timeout (backs off, reset by progress).
+    cur_rto: Duration,
+    started: Instant,
+    overflowed: Vec<usize>,
+    pub stats: ContribStats,
+}
+
+impl<'e> Contributor<'e> {
+    pub fn new(spec: Spec, enc: Enc<'e>, t: Timing) -> Contributor<'e> {
+        let msg_len = enc.msg_len();
+        let nchunks = chunk_count(msg_len, spec.chunk);
+        let window = t.window.clamp(1, nchunks.max(1));
+        let now = Instant::now();
+        Contributor {
+            dtype: enc.dtype(),
+            enc,
+            msg_len,
+            nchunks,
+            t: Timing { window, ..t },
+            acked: vec![0u64; nchunks.div_ceil(64)],
+            nacked: 0,
+            lo: 0,
+            next: 0,
+            bufs: vec![0u8; window * (HDR_LEN + spec.chunk)],
+            todo: Vec::with_capacity(window),
+            last_progress: now,
+            last_retx: now,
+            cur_rto: t.rto,
+            started: now,
+            overflowed: Vec::new(),
+            stats: ContribStats::default(),
+            spec,
+        }
+    }
+
+    pub fn spec(&self) -> &Spec {
+        &self.spec
+    }
+
+    pub fn done(&self) -> bool {
+        self.nacked == self.nchunks
+    }
+
+    /// Chunks whose RESULT carried KCCL_F_OVERFLOW (ascending after done).
+    pub fn overflowed(&mut self) -> &[usize] {
+        self.overflowed.sort_unstable();
+        &self.overflowed
+    }
+
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn is_acked(&self, c: usize) -> bool {
+        self.acked[c / 64] & (1 << (c % 64)) != 0
+    }
+
+    /// Sends the chunks that entered the window, and after a stall of `rto`
+    /// every unanswered chunk of the window, in one sendmmsg round.
+    pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
+        self.todo.clear();
+        let w = self.t.window;
+        let stalled = now.duration_since(self.last_progress) >= self.cur_rto
+            && now.duration_since(self.last_retx) >= self.cur_rto
+            && self.next > self.lo;
+        if stalled {
+            for c in self.lo..self.next {
+                if !self.is_acked(c) {
+                    self.todo.push(c);
+                }
+            }
+            self.stats.retransmits += self.todo.len() as u64;
+            self.stats.stalls += 1;
+            // Back off until an answer comes (then rto again).
+            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
+            self.last_retx = now;
+        }
+        let limit = (self.lo + w).min(self.nchunks);
+        let stride = HDR_LEN + self.spec.chunk;
+        let flags =
+            if self.spec.allreduce { F_ALLREDUCE } else { 0 } | if self.spec.user_only { F_USER_ONLY } else { 0 };
+        while self.next < limit {
+            let c = self.next;
+            let pos = (c % w) * stride;
+            let h = contribution_header(
+                self.spec.job_id,
+                self.spec.my_rank,
+                self.spec.mask_base,
+                self.spec.mask,
+                self.spec.op_id,
+                self.spec.chunk,
+                c,
+                self.msg_len,
+                self.spec.agg_op,
+                self.dtype,
+                flags,
+            );
+            let plen = h.payload_len as usize;
+            let mut hb = [0u8; HDR_LEN];
+            h.encode(&mut hb);
+            self.bufs[pos..pos + HDR_LEN].copy_from_slice(&hb);
+            let first = c * self.spec.chunk / self.enc.elem_size();
+            self.enc.encode(first, &mut self.bufs[pos + HDR_LEN..pos + HDR_LEN + plen]);
+            self.todo.push(c);
+            self.next += 1;
+            self.stats.chunks += 1;
+        }
+        if self.todo.is_empty() {
+            return Ok(());
+        }
+        let to = self.spec.agg_addr;
+        let dgrams: Vec<Datagram<'_>> = self
+            .todo
+            .iter()
+            .map(|&c| {
+                let pos = (c % w) * stride;
+                let plen = chunk_len(self.msg_len, self.spec.chunk, c);
+                Datagram { to, head: &self.bufs[pos..pos + HDR_LEN + plen], body: &[] }
+            })
+            .collect();
+        self.stats.send_calls += sock.send_all(&dgrams)? as u64;
+        self.stats.datagrams += dgrams.len() as u64;
+        Ok(())
+    }
+
+    /// Handles a RESULT/ACK datagram; `decode(chunk, payload, overflow)`
+    /// receives each newly answered RESULT chunk.
+    pub fn on_answer(
+        &mut self,
+        h: &Header,
+        payload: &[u8],
+        from: SocketAddrV4,
+        now: Instant,
+        decode: &mut dyn FnMut(usize, &[u8], bool),
+    ) -> Verdict {
+        let s = &self.spec;
+        if from != s.agg_addr || h.src_rank != s.agg_rank || h.job_id != s.job_id {
+            self.stats.bad_answers += 1;
+            return Verdict::Bad;
+        }
+        if h.msg_seq != s.op_id {
+            self.stats.stale_answers += 1;
+            return Verdict::Stale;
+        }
+        let want_type = if s.allreduce { T_AGG_RESULT } else { T_AGG_ACK };
+        let off = h.frag_off as usize;
+        let c = off / s.chunk;
+        let shape_ok = h.msg_type == want_type
+            && h.msg_len as usize == self.msg_len
+            && h.agg_op == s.agg_op
+            && h.dtype == self.dtype
+            && off % s.chunk == 0
+            && c < self.nchunks
+            && h.payload_len as usize == if s.allreduce { chunk_len(self.msg_len, s.chunk, c) } else { 0 };
+        if !shape_ok {
+            self.stats.bad_answers += 1;
+            return Verdict::Bad;
+        }
+        if self.is_acked(c) {
+            self.stats.dup_answers += 1;
+            return Verdict::Duplicate;
+        }
+        self.acked[c / 64] |= 1 << (c % 64);
+        self.nacked += 1;
+        self.stats.answers += 1;
+        let overflow = h.flags & F_OVERFLOW != 0;
+        if overflow {
+            self.overflowed.push(c);
+            self.stats.overflow_chunks += 1;
+        }
+        if s.allreduce {
+            decode(c, payload, overflow);
+        }
+        while self.lo < self.nchunks && self.is_acked(self.lo) {
+            self.lo += 1;
+        }
+        self.last_progress = now;
+        self.cur_rto = self.t.rto;
+        Verdict::Progress
+    }
+
+    /// How long to wait for answers before the next timer (rto or deadline).
+    pub fn wait(&self, now: Instant) -> Duration {
+        let since = now.duration_since(self.last_progress);
+        let retx = self.cur_rto.saturating_sub(since.min(now.duration_since(self.last_retx)));
+        let dead = self.t.deadline.saturating_sub(since);
+        retx.min(dead).max(Duration::from_micros(200))
+    }
+
+    /// Error::Timeout once no answer came for `deadline`.
+    pub fn check_deadline(&self, now: Instant) -> Result<()> {
+        let since = now.duration_since(self.last_progress);
+        if since < self.t.deadline {
+            return Ok(());
+        }
+        Err(self.timeout_error(since))
+    }
+
+    fn timeout_error(&self, since: Duration) -> Error {
+        let missing: Vec<usize> = (0..self.nchunks).filter(|&c| !self.is_acked(c)).collect();
+        let shown: Vec<String> = missing.iter().take(8).map(|c| c.to_string()).collect();
+        let more = if missing.len() > 8 { format!(" and {} more", missing.len() - 8) } else { String::new() };
+        let s = &self.spec;
+        Error::Timeout {
+            ms: since.as_millis() as u64,
+            what: format!(
+                "{}: no {} from aggregator rank {} ({}) for the last {} ms; {} of {} chunks unanswered \
+                 (chunks {}{more}; {} datagrams sent, {} retransmitted). Check that rank {} runs its side \
+                 of this operation, that every contributor joined it, and that all passed the same length, \
+                 op and element type (the aggregator drops mismatching contributions and counts them)",
+                s.what,
+                if s.allreduce { "RESULT" } else { "ACK" },
+                s.agg_rank,
+                s.agg_addr,
+                since.as_millis(),
+                missing.len(),
+                self.nchunks,
+                shown.join(", "),
+                self.stats.datagrams,
+                self.stats.retransmits,
+                s.agg_rank,
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agg::user::{AllreduceOnly, UserAggConfig, UserAggregator};
+    use crate::group::{Group, Member};
+    use crate::sock::RecvBatch;
+    use crate::wire::{OP_SUM, T_AGG};
+    use std::net::{Ipv4Addr, UdpSocket};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    const CHUNK: usize = 64; // 16 int32 per chunk
+
+    /// Rank 0 aggregates on loopback; ranks 1.. contribute.  Ports are
+    /// picked free by binding to 0 first.
+    fn free_ports(n: usize) -> Vec<u16> {
+        let socks: Vec<UdpSocket> = (0..n).map(|_| UdpSocket::bind("127.0.0.1:0").expect("bind")).collect();
+        socks.iter().map(|s| s.local_addr().expect("addr").port()).collect()
+    }
+
+    fn group(ports: &[u16]) -> Group {
+        let members = ports
+            .iter()
+            .enumerate()
+            .map(|(r, &port)| Member {
+                rank: r as u16,
+                addr: Ipv4Addr::LOCALHOST,
+                port,
+                iface: "lo".into(),
+                netns: None,
+            })
+            .collect();
+        Group::new("t", 3, members)
+    }
+
+    fn spec(g: &Group, rank: u16, mask: u64, op_id: u32) -> Spec {
+        Spec {
+            what: format!("allreduce op {op_id}"),
+            job_id: g.job_id,
+            my_rank: rank,
+            agg_rank: 0,
+            agg_addr: SocketAddrV4::new(Ipv4Addr::LOCALHOST, g.members[0].port),
+            op_id,
+            agg_op: OP_SUM,
+            chunk: CHUNK,
+            allreduce: true,
+            user_only: false,
+            mask_base: 0,
+            mask,
+        }
+    }
+
+    /// The aggregator on a thread; `drop_every`: drop every n-th
+    /// contribution before aggregation (simulated loss), 0 = none.
+    fn aggregator(
+        g: &Group,
+        stop: Arc<AtomicBool>,
+        drop_every: u64,
+    ) -> std::thread::JoinHandle<crate::agg::user::AggStats> {
+        let g = g.clone();
+        std::thread::spawn(move || {
+            let sock = BatchSocket::bind(Ipv4Addr::LOCALHOST, g.members[0].port, 8 << 20, 8 << 20).expect("bind");
+            let cfg = UserAggConfig {
+                job_id: g.job_id,
+                my_rank: 0,
+                chunk_bytes: CHUNK,
+                nslots: 64,
+                slot_timeout: Duration::from_secs(1),
+                linger: Duration::from_secs(10),
+            };
+            let mut a = UserAggregator::new(&g, cfg);
+            let mut rb = RecvBatch::new(256, a.dgram_max() + 1);
+            let mut seen = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let n = sock.recv_batch(&mut rb, Some(Duration::from_millis(20))).expect("recv");
+                let now = Instant::now();
+                for i in 0..n {
+                    let (d, from) = rb.get(i);
+                    let Ok(d) = d else { continue };
+                    let Ok((h, p)) = Header::decode(d) else { continue };
+                    if h.msg_type != T_AGG {
+                        continue;
+                    }
+                    seen += 1;
+                    if drop_every > 0 && seen % drop_every == 0 {
+                        continue;
+                    }
+                    a.ingest(&h, p, from, now, &mut AllreduceOnly);
+                }
+                a.flush(&sock).expect("flush");
+            }
+            a.stats()
+        })
+    }
+
+    /// Drives one contributor to completion; returns the decoded sums.
+    fn run(g: &Group, rank: u16, mask: u64, data: &[i32], t: Timing) -> (Result<Vec<i64>>, ContribStats) {
+        let sock =
+            BatchSocket::bind(Ipv4Addr::LOCALHOST, g.members[rank as usize].port, 8 << 20, 8 << 20).expect("bind");
+        let mut rb = RecvBatch::new(256, HDR_LEN + CHUNK + 1);
+        let mut c = Contributor::new(spec(g, rank, mask, 9), Enc::I32(data), t);
+        let mut out = vec![0i64; data.len()];
+        let res = (|| loop {
+            let now = Instant::now();
+            c.send_due(&sock, now)?;
+            if c.done() {
+                return Ok(());
+            }
+            let n = sock.recv_batch(&mut rb, Some(c.wait(now)))?;
+            let now = Instant::now();
+            for i in 0..n {
+                let (d, from) = rb.get(i);
+                let Ok(d) = d else { continue };
+                let Ok((h, p)) = Header::decode(d) else { continue };
+                c.on_answer(&h, p, from, now, &mut |chunk, payload, _| {
+                    for (k, b) in payload.chunks_exact(4).enumerate() {
+                        out[chunk * CHUNK / 4 + k] = i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                    }
+                });
+            }
+            if c.done() {
+                return Ok(());
+            }
+            c.check_deadline(Instant::now())?;
+        })();
+        (res.map(|()| out), c.stats)
+    }
+
+    fn data(rank: u16, len: usize) -> Vec<i32> {
+        (0..len as i32).map(|i| i * 3 - rank as i32 * 1000).collect()
+    }
+
+    fn both(g: &Group, len: usize, t: Timing, drop_every: u64) -> Vec<(Vec<i64>, ContribStats)> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let agg = aggregator(g, Arc::clone(&stop), drop_every);
+        std::thread::sleep(Duration::from_millis(20));
+        let handles: Vec<_> = [1u16, 2]
+            .into_iter()
+            .map(|r| {
+                let g = g.clone();
+                std::thread::spawn(move || run(&g, r, 0b110, &data(r, len), t))
+            })
+            .collect();
+        let outs: Vec<_> = handles.into_iter().map(|h| h.join().expect("contributor thread")).collect();
+        stop.store(true, Ordering::Relaxed);
+        agg.join().expect("aggregator thread");
+        outs.into_iter().map(|(r, s)| (r.unwrap_or_else(|e| panic!("contributor: {e}")), s)).collect()
+    }
+
+    fn expect(len: usize) -> Vec<i64> {
+        let (a, b) = (data(1, len), data(2, len));
+        a.iter().zip(&b).map(|(x, y)| i64::from(*x) + i64::from(*y)).collect()
+    }
+
+    #[test]
+    fn windowed_allreduce_over_loopback() {
+        let g = group(&free_ports(3));
+        let len = 16 * 100 + 5; // 101 chunks, the last short
+        let t = Timing { window: 8, rto: Duration::from_millis(200), deadline: Duration::from_secs(5) };
+        for (out, s) in both(&g, len, t, 0) {
+            assert_eq!(out, expect(len));
+            assert_eq!(s.chunks, 101);
+            assert_eq!(s.answers, 101);
+            assert_eq!(s.bad_answers, 0);
+        }
+    }
+
+    #[test]
+    fn lost_contributions_are_retransmitted() {
+        let g = group(&free_ports(3));
+        let len = 16 * 40;
+        let t = Timing { window: 4, rto: Duration::from_millis(20), deadline: Duration::from_secs(10) };
+        // Every 7th contribution is lost: chunks only complete after a
+        // retransmission, which the aggregator must not count twice.
+        for (out, s) in both(&g, len, t, 7) {
+            assert_eq!(out, expect(len), "duplicates must not be added twice");
+            assert!(s.retransmits > 0, "{s:?}");
+            assert_eq!(s.chunks, 40);
+        }
+    }
+
+    #[test]
+    fn window_limits_chunks_in_flight() {
+        // No aggregator at all: the contributor sends exactly one window,
+        // retransmits it after each rto, then times out naming the chunks.
+        let g = group(&free_ports(3));
+        let t = Timing { window: 5, rto: Duration::from_millis(30), deadline: Duration::from_millis(200) };
+        let (res, s) = run(&g, 1, 0b110, &data(1, 16 * 20), t);
+        let e = res.expect_err("nobody answers");
+        assert_eq!(s.chunks, 5, "only the window is ever sent: {s:?}");
+        assert_eq!(s.datagrams, 5 + s.retransmits);
+        assert!(s.retransmits >= 5 && s.retransmits % 5 == 0, "{s:?}");
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Timeout { .. }), "{msg}");
+        assert!(msg.contains("20 of 20 chunks unanswered") && msg.contains("chunks 0, 1, 2"), "{msg}");
+        assert!(msg.contains("allreduce op 9") && msg.contains("aggregator rank 0"), "{msg}");
+    }
+
+    #[test]
+    fn answers_are_validated() {
+        let g = group(&free_ports(3));
+        let data = data(1, 40); // 3 chunks
+        let t = Timing { window: 8, rto: Duration::from_secs(1), deadline: Duration::from_secs(1) };
+        let mut c = Contributor::new(spec(&g, 1, 0b110, 9), Enc::I32(&data), t);
+        let agg = SocketAddrV4::new(Ipv4Addr::LOCALHOST, g.members[0].port);
+        let good = |c: usize, len: u16| Header {
+            version: crate::wire::VERSION,
+            msg_type: T_AGG_RESULT,
+            flags: F_ALLREDUCE,
+            job_id: 3,
+            src_rank: 0,
+            mask_base: 0,
+            dst_mask: 0b110,
+            msg_seq: 9,
+            frag_off: (c * CHUNK) as u32,
+            msg_len: 160,
+            payload_len: len,
+            agg_op: OP_SUM,
+            dtype: crate::wire::DT_I32,
+        };
+        let p = vec![0u8; 64];
+        let now = Instant::now();
+        let mut calls = 0;
+        let mut dec = |_: usize, _: &[u8], _: bool| calls += 1;
+        let other = SocketAddrV4::new(Ipv4Addr::LOCALHOST, g.members[2].port);
+        assert_eq!(c.on_answer(&good(0, 64), &p, other, now, &mut dec), Verdict::Bad, "wrong source");
+        let mut h = good(0, 64);
+        h.job_id = 4;
+        assert_eq!(c.on_answer(&h, &p, agg, now, &mut dec), Verdict::Bad, "wrong job");
+        let mut h = good(0, 64);
+        h.msg_seq = 8;
+        assert_eq!(c.on_answer(&h, &p, agg, now, &mut dec), Verdict::Stale, "earlier op");
+        assert_eq!(c.on_answer(&good(0, 60), &p[..60], agg, now, &mut dec), Verdict::Bad, "wrong length");
+        let mut h = good(0, 64);
+        h.msg_type = T_AGG_ACK;
+        assert_eq!(c.on_answer(&h, &p, agg, now, &mut dec), Verdict::Bad, "ACK for an allreduce");
+        assert_eq!(c.on_answer(&good(3, 64), &p, agg, now, &mut dec), Verdict::Bad, "chunk beyond the message");
+        assert_eq!(c.on_answer(&good(0, 64), &p, agg, now, &mut dec), Verdict::Progress);
+        assert_eq!(c.on_answer(&good(0, 64), &p, agg, now, &mut dec), Verdict::Duplicate);
+        assert_eq!(c.on_answer(&good(2, 32), &p[..32], agg, now, &mut dec), Verdict::Progress);
+        assert_eq!(calls, 2);
+        assert!(!c.done());
+        assert_eq!((c.stats.bad_answers, c.stats.stale_answers, c.stats.dup_answers), (5, 1, 1));
+    }
+}

@@ -1,0 +1,1159 @@
+//! The user-space aggregator: the tuned baseline the kernel path is measured
+//! against, the fallback when BPF is unavailable, and the server of the
+//! packets the kernel passes up (USER_ONLY: overflow redo; op/type the
+//! kernel does not do).
+//!
+//! Same slot rules as xdp_agg (bpf/include/kccl_agg.h): chunk `c` of
+//! operation `op` lives in slot `(hash(op) + c) & (nslots - 1)`; a slot keeps
+//! int64 accumulators, the bitmap of contributors seen (duplicates are never
+//! counted twice) and completes when every contributor of the mask was seen.
+//! A contribution whose op/type/length/mask differ from the slot's is a
+//! mismatch (counted, dropped); one that finds its slot held by another live
+//! chunk is dropped (busy, the sender retransmits) unless that chunk was
+//! abandoned for longer than the slot timeout (reclaimed).  A finished chunk
+//! stays DONE and answers retransmissions (to the retransmitting sender only)
+//! until its slot is needed; then its answer moves to a ring of retired
+//! answers of the same size, so an answer lost on the way can always be
+//! repeated while its operation can still be waiting for it.
+//!
+//! Hot path: one recvmmsg of up to 1024 datagrams, no allocation per packet
+//! (slots, answer arena and receive buffers are reused), accumulate loops
+//! over big-endian values into int64 that the compiler vectorizes, and one
+//! sendmmsg per batch for every answer (one datagram per contributor: the
+//! user-space equivalent of the kernel's fan-out).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddrV4;
+use std::time::{Duration, Instant};
+
+use crate::agg::packet::{check_contribution, elem_size, Reject};
+use crate::error::Result;
+use crate::group::Group;
+use crate::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::wire::{
+    Header, DT_I64, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX,
+    OP_MIN, OP_SUM, T_AGG, T_AGG_ACK, T_AGG_RESULT, VERSION,
+};
+
+/// Aggregator counters; the names follow enum kccl_agg_stat where the two
+/// paths count the same thing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AggStats {
+    /// Datagrams read from the socket.
+    pub datagrams: u64,
+    /// recvmmsg / sendmmsg calls.
+    pub recv_calls: u64,
+    pub send_calls: u64,
+    /// Contributions added to a slot.
+    pub pkts: u64,
+    pub chunks_done: u64,
+    /// Allreduce result chunks completed (before the per-contributor copies).
+    pub results: u64,
+    /// Reduce chunks completed (ACKed).
+    pub acks: u64,
+    /// Answer datagrams sent (one per contributor, plus re-answers).
+    pub answers_sent: u64,
+    /// Contribution already counted (slot still active).
+    pub dup: u64,
+    /// Contribution for a finished chunk: the answer was sent again.
+    pub dup_done: u64,
+    /// Slot held by another live chunk: dropped (the sender retransmits).
+    pub busy: u64,
+    /// Abandoned chunk's slot taken after the slot timeout.
+    pub reclaimed: u64,
+    /// Op/type/length/contributors differ from the slot's (or from what the
+    /// local root expects).
+    pub mismatch: u64,
+    /// Sender not in the packet's contributor mask.
+    pub not_contrib: u64,
+    /// Sender rank unknown or sending from another address than its own.
+    pub not_member: u64,
+    /// kccl packet with a bad header or chunk geometry.
+    pub malformed: u64,
+    /// Datagram larger than a chunk (cut by the receive buffer).
+    pub truncated: u64,
+    /// Op or type this runtime does not know.
+    pub unsupported: u64,
+    /// Packet of another job.
+    pub other_job: u64,
+    /// Contributions with USER_ONLY (overflow redo).
+    pub user_only: u64,
+    /// Chunk of an operation that already finished and whose answer was
+    /// already recycled: dropped.
+    pub stale: u64,
+    /// Reduce contribution for an operation the local root has not started
+    /// (and no room to take it early): dropped, the sender retransmits.
+    pub early: u64,
+    /// Result chunks with a saturated (int32) or overflowed (int64) element.
+    pub overflow: u64,
+    /// Datagrams that are not contributions (answers, broadcast, ...).
+    pub not_contribution: u64,
+}
+
+impl AggStats {
+    /// Datagrams dropped for any reason other than duplicates/busy/early.
+    pub fn rejected(&self) -> u64 {
+        self.mismatch
+            + self.not_contrib
+            + self.not_member
+            + self.malformed
+            + self.truncated
+            + self.unsupported
+            + self.other_job
+            + self.stale
+    }
+}
+
+/// A completed reduce chunk: the int64 accumulators and what they are.
+/// (Field for field the ring buffer record of the kernel path.)
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkDone<'a> {
+    pub op_id: u32,
+    pub frag_off: u32,
+    pub msg_len: u32,
+    pub payload_len: u16,
+    pub agg_op: u8,
+    pub dtype: u8,
+    /// An int64 sum overflowed (I64 only).
+    pub overflow: bool,
+    /// Contributor mask (window of the operation's mask_base).
+    pub contributors: u64,
+    pub values: &'a [i64],
+}
+
+/// What the owner of the aggregator says about a contribution before it is
+/// aggregated (the local root knows the op it runs; the allreduce service
+/// takes every allreduce contribution and no reduce one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admit {
+    Yes,
+    /// Not expected here (yet): dropped and counted as `early`.
+    Early,
+    /// Differs from what the local root expects: counted, dropped, reported.
+    Mismatch(String),
+}
+
+/// The owner's side of the aggregator: admission of contributions that would
+/// be aggregated, and delivery of completed reduce chunks.
+pub trait AggSink {
+    fn admit(&mut self, h: &Header) -> Admit;
+    fn deliver(&mut self, d: &ChunkDone<'_>);
+}
+
+/// The allreduce service: every allreduce contribution is taken; reduce
+/// contributions have no root here and are counted as `early` and dropped.
+pub struct AllreduceOnly;
+
+impl AggSink for AllreduceOnly {
+    fn admit(&mut self, h: &Header) -> Admit {
+        if h.flags & F_ALLREDUCE != 0 {
+            Admit::Yes
+        } else {
+            Admit::Early
+        }
+    }
+    fn deliver(&mut self, _: &ChunkDone<'_>) {}
+}
+
+/// A contribution refused because it does not match its operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MismatchEvent {
+    pub op_id: u32,
+    pub rank: u16,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct UserAggConfig {
+    pub job_id: u32,
+    /// Rank of this aggregator (src_rank of its answers).
+    pub my_rank: u16,
+    pub chunk_bytes: usize,
+    /// Rounded up to a power of two.
+    pub nslots: usize,
+    /// An ACTIVE chunk older than this may be reclaimed by another.
+    pub slot_timeout: Duration,
+    /// How long finished chunks answer retransmissions at least, and how
+    /// long a finished operation's late packets are recognised as stale.
+    pub linger: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Free,
+    Active,
+    Done,
+}
+
+/// What every contribution to one chunk must agree on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Meta {
+    msg_len: u32,
+    payload_len: u16,
+    agg_op: u8,
+    dtype: u8,
+    /// ALLREDUCE | USER_ONLY | LAST_FRAG of the contributions.
+    flags: u16,
+    mask_base: u16,
+    expected: u64,
+}
+
+impl Meta {
+    fn of(h: &Header) -> Meta {
+        Meta {
+            msg_len: h.msg_len,
+            payload_len: h.payload_len,
+            agg_op: h.agg_op,
+            dtype: h.dtype,
+            flags: h.flags & (F_ALLREDUCE | F_USER_ONLY | F_LAST_FRAG),
+            mask_base: h.mask_base,
+            expected: h.dst_mask,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} of {} bytes, op {} dtype {}, contributors {:#x}@{}",
+            if self.flags & F_ALLREDUCE != 0 { "allreduce" } else { "reduce" },
+            self.msg_len,
+            self.agg_op,
+            self.dtype,
+            self.expected,
+            self.mask_base
+        )
+    }
+}
+
+struct Slot {
+    state: State,
+    op_id: u32,
+    frag_off: u32,
+    meta: Meta,
+    seen: u64,
+    claimed: Instant,
+    done_at: Instant,
+    overflow: bool,
+    acc: Box<[i64]>,
+    /// The answer (header + RESULT payload, or the bare ACK header).
+    answer: Box<[u8]>,
+    answer_len: usize,
+}
+
+/// An answer moved out of a reused DONE slot.
+struct Retired {
+    key: Option<(u32, u32)>,
+    meta: Meta,
+    when: Instant,
+    answer: Box<[u8]>,
+    answer_len: usize,
+}
+
+struct OpTrack {
+    nchunks: u32,
+    done: u32,
+    last: Instant,
+}
+
+/// Operations remembered for stale detection (bounded).
+const MAX_TRACKED_OPS: usize = 256;
+/// Mismatch events kept for the owner to report.
+const MAX_MISMATCH_EVENTS: usize = 32;
+
+pub struct UserAggregator {
+    cfg: UserAggConfig,
+    slot_mask: usize,
+    slots: Vec<Slot>,
+    retired: Vec<Retired>,
+    retired_idx: HashMap<(u32, u32), usize>,
+    retired_next: usize,
+    ops: HashMap<u32, OpTrack>,
+    /// Address of each rank (index = rank).
+    members: Vec<Option<SocketAddrV4>>,
+    /// Answers of the current batch: bytes, then (to, start, len).
+    arena: Vec<u8>,
+    out: Vec<(SocketAddrV4, usize, usize)>,
+    mismatches: VecDeque<MismatchEvent>,
+    stats: AggStats,
+}
+
+fn slot_hash(op_id: u32) -> usize {
+    op_id.wrapping_mul(0x9e37_79b1) as usize
+}
+
+impl UserAggregator {
+    pub fn new(group: &Group, cfg: UserAggConfig) -> UserAggregator {
+        let nslots = cfg.nslots.clamp(2, 1 << 20).next_power_of_two();
+        let answer_cap = HDR_LEN + cfg.chunk_bytes;
+        let now = Instant::now();
+        let empty = Meta { msg_len: 0, payload_len: 0, agg_op: 0, dtype: 0, flags: 0, mask_base: 0, expected: 0 };
+        let slots = (0..nslots)
+            .map(|_| Slot {
+                state: State::Free,
+                op_id: 0,
+                frag_off: 0,
+                meta: empty,
+                seen: 0,
+                claimed: now,
+                done_at: now,
+                overflow: false,
+                acc: vec![0i64; cfg.chunk_bytes / 4].into_boxed_slice(),
+                answer: vec![0u8; answer_cap].into_boxed_slice(),
+                answer_len: 0,
+            })
+            .collect();
+        let retired = (0..nslots)
+            .map(|_| Retired {
+                key: None,
+                meta: empty,
+                when: now,
+                answer: vec![0u8; answer_cap].into_boxed_slice(),
+                answer_len: 0,
+            })
+            .collect();
+        let max_rank = group.members.iter().map(|m| m.rank as usize).max().unwrap_or(0);
+        let mut members = vec![None; max_rank + 1];
+        for m in &group.members {
+            members[m.rank as usize] = Some(SocketAddrV4::new(m.addr, m.port));
+        }
+        UserAggregator {
+            slot_mask: nslots - 1,
+            cfg: UserAggConfig { nslots, ..cfg },
+            slots,
+            retired,
+            retired_idx: HashMap::with_capacity(nslots),
+            retired_next: 0,
+            ops: HashMap::new(),
+            members,
+            arena: Vec::with_capacity(64 * 1024),
+            out: Vec::with_capacity(1024),
+            mismatches: VecDeque::new(),
+            stats: AggStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> AggStats {
+        self.stats
+    }
+
+    pub fn config(&self) -> &UserAggConfig {
+        &self.cfg
+    }
+
+    /// Mismatching contributions seen since the last call (at most 32 kept).
+    pub fn take_mismatches(&mut self) -> Vec<MismatchEvent> {
+        self.mismatches.drain(..).collect()
+    }
+
+    /// Largest datagram this aggregator takes (bigger ones count as truncated).
+    pub fn dgram_max(&self) -> usize {
+        HDR_LEN + self.cfg.chunk_bytes
+    }
+
+    /// Counts a datagram the owner read and did not pass to [`ingest`]
+    /// (truncated, not kccl, ...).
+    pub fn count_datagram(&mut self) {
+        self.stats.datagrams += 1;
+    }
+
+    pub fn count_truncated(&mut self) {
+        self.stats.truncated += 1;
+    }
+
+    pub fn count_malformed(&mut self) {
+        self.stats.malformed += 1;
+    }
+
+    pub fn count_not_contribution(&mut self) {
+        self.stats.not_contribution += 1;
+    }
+
+    pub fn count_recv_call(&mut self) {
+        self.stats.recv_calls += 1;
+    }
+
+    /// One contribution (already decoded by [`Header::decode`]); answers are
+    /// queued for [`flush`](Self::flush), completed reduce chunks go to
+    /// `deliver`.
+    pub fn ingest(&mut self, h: &Header, payload: &[u8], from: SocketAddrV4, now: Instant, sink: &mut dyn AggSink) {
+        let chunk = self.cfg.chunk_bytes;
+        if h.job_id != self.cfg.job_id {
+            self.stats.other_job += 1;
+            return;
+        }
+        match check_contribution(h, chunk) {
+            Ok(()) => {}
+            Err(Reject::NotContribution) => {
+                self.stats.not_contribution += 1;
+                return;
+            }
+            Err(Reject::Unsupported) => {
+                self.stats.unsupported += 1;
+                return;
+            }
+            Err(Reject::Malformed) => {
+                self.stats.malformed += 1;
+                return;
+            }
+            Err(Reject::NotContributor) => {
+                self.stats.not_contrib += 1;
+                return;
+            }
+        }
+        // The sender must send from its own address and port.
+        if self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return;
+        }
+        // This aggregator cannot be one of the contributors it waits for.
+        let me = self.cfg.my_rank as usize;
+        let base = h.mask_base as usize;
+        if me >= base && me - base < MASK_BITS && h.dst_mask & (1u64 << (me - base)) != 0 {
+            self.stats.malformed += 1;
+            return;
+        }
+        if h.flags & F_USER_ONLY != 0 {
+            self.stats.user_only += 1;
+        }
+        let meta = Meta::of(h);
+        let key = (h.msg_seq, h.frag_off);
+        let bit = 1u64 << (h.src_rank as usize - base);
+        let idx = (slot_hash(h.msg_seq).wrapping_add(h.frag_off as usize / chunk)) & self.slot_mask;
+        let linger = self.cfg.linger;
+
+        let s = &self.slots[idx];
+        let (state, claimed, slot_meta, seen) = (s.state, s.claimed, s.meta, s.seen);
+        let same = state != State::Free && (s.op_id, s.frag_off) == key;
+        if same && state == State::Done && now.duration_since(s.done_at) <= linger {
+            if slot_meta != meta {
+                let d = format!("sent {}, the chunk was {}", meta.describe(), slot_meta.describe());
+                self.stats.mismatch += 1;
+                self.note_mismatch(h, d);
+                return;
+            }
+            self.stats.dup_done += 1;
+            self.answer_one(idx, false, h.src_rank, base);
+            return;
+        }
+        if same && state == State::Active {
+            // The owner first: a local root that runs this op names the
+            // mismatch against what it expects, whichever packet came first.
+            if slot_meta != meta && !self.admitted(h, sink) {
+                return;
+            }
+            if slot_meta != meta {
+                let d = format!("sent {}, the chunk is {}", meta.describe(), slot_meta.describe());
+                self.stats.mismatch += 1;
+                self.note_mismatch(h, d);
+                return;
+            }
+            if seen & bit != 0 {
+                self.stats.dup += 1;
+                return;
+            }
+            if !self.admitted(h, sink) {
+                return;
+            }
+            self.add(idx, h, payload, bit, false, now, sink);
+            return;
+        }
+        // Not in its slot: a recycled answer, a stale packet, or a new chunk.
+        if let Some(&r) = self.retired_idx.get(&key) {
+            let ret = &self.retired[r];
+            if now.duration_since(ret.when) <= linger && ret.meta == meta {
+                self.stats.dup_done += 1;
+                self.answer_one(r, true, h.src_rank, base);
+                return;
+            }
+        }
+        if let Some(t) = self.ops.get(&h.msg_seq) {
+            if t.done >= t.nchunks && now.duration_since(t.last) <= linger {
+                self.stats.stale += 1;
+                return;
+            }
+        }
+        if state == State::Active && now.duration_since(claimed) <= self.cfg.slot_timeout {
+            self.stats.busy += 1;
+            return;
+        }
+        if !self.admitted(h, sink) {
+            return;
+        }
+        match state {
+            State::Free => {}
+            State::Done => self.retire(idx),
+            State::Active => self.stats.reclaimed += 1,
+        }
+        let s = &mut self.slots[idx];
+        s.state = State::Active;
+        s.op_id = key.0;
+        s.frag_off = key.1;
+        s.meta = meta;
+        s.seen = 0;
+        s.claimed = now;
+        s.overflow = false;
+        self.add(idx, h, payload, bit, true, now, sink);
+    }
+
+    /// Asks the owner; counts and records refusals.
+    fn admitted(&mut self, h: &Header, sink: &mut dyn AggSink) -> bool {
+        match sink.admit(h) {
+            Admit::Yes => true,
+            Admit::Early => {
+                self.stats.early += 1;
+                false
+            }
+            Admit::Mismatch(detail) => {
+                self.stats.mismatch += 1;
+                self.note_mismatch(h, detail);
+                false
+            }
+        }
+    }
+
+    /// Contributors still missing from an active chunk (for error messages).
+    pub fn missing(&self, op_id: u32, frag_off: u32) -> Option<(u16, u64)> {
+        let idx = (slot_hash(op_id).wrapping_add(frag_off as usize / self.cfg.chunk_bytes)) & self.slot_mask;
+        let s = &self.slots[idx];
+        (s.state == State::Active && (s.op_id, s.frag_off) == (op_id, frag_off))
+            .then_some((s.meta.mask_base, s.meta.expected & !s.seen))
+    }
+
+    fn note_mismatch(&mut self, h: &Header, detail: String) {
+        if self.mismatches.len() >= MAX_MISMATCH_EVENTS {
+            self.mismatches.pop_front();
+        }
+        self.mismatches.push_back(MismatchEvent { op_id: h.msg_seq, rank: h.src_rank, detail });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &mut self,
+        idx: usize,
+        h: &Header,
+        payload: &[u8],
+        bit: u64,
+        first: bool,
+        now: Instant,
+        sink: &mut dyn AggSink,
+    ) {
+        let s = &mut self.slots[idx];
+        let n = payload.len() / elem_size(h.dtype);
+        let ovf = combine(&mut s.acc[..n], payload, h.dtype, h.agg_op, first);
+        s.overflow |= ovf;
+        s.seen |= bit;
+        self.stats.pkts += 1;
+        if s.seen == s.meta.expected {
+            self.complete(idx, now, sink);
+        }
+    }
+
+    fn complete(&mut self, idx: usize, now: Instant, sink: &mut dyn AggSink) {
+        let me = self.cfg.my_rank;
+        let chunk = self.cfg.chunk_bytes;
+        let s = &mut self.slots[idx];
+        let m = s.meta;
+        let allreduce = m.flags & F_ALLREDUCE != 0;
+        let n = m.payload_len as usize / elem_size(m.dtype);
+        let mut overflow = s.overflow;
+        let plen = if allreduce {
+            overflow |= encode_result(&s.acc[..n], m.dtype, &mut s.answer[HDR_LEN..HDR_LEN + m.payload_len as usize]);
+            m.payload_len
+        } else {
+            0
+        };
+        let h = Header {
+            version: VERSION,
+            msg_type: if allreduce { T_AGG_RESULT } else { T_AGG_ACK },
+            flags: m.flags | if overflow { F_OVERFLOW } else { 0 },
+            job_id: self.cfg.job_id,
+            src_rank: me,
+            mask_base: m.mask_base,
+            dst_mask: m.expected,
+            msg_seq: s.op_id,
+            frag_off: s.frag_off,
+            msg_len: m.msg_len,
+            payload_len: plen,
+            agg_op: m.agg_op,
+            dtype: m.dtype,
+        };
+        let mut hb = [0u8; HDR_LEN];
+        h.encode(&mut hb);
+        s.answer[..HDR_LEN].copy_from_slice(&hb);
+        s.answer_len = HDR_LEN + plen as usize;
+        s.state = State::Done;
+        s.done_at = now;
+        self.stats.chunks_done += 1;
+        if overflow {
+            self.stats.overflow += 1;
+        }
+        if allreduce {
+            self.stats.results += 1;
+        } else {
+            self.stats.acks += 1;
+            sink.deliver(&ChunkDone {
+                op_id: s.op_id,
+                frag_off: s.frag_off,
+                msg_len: m.msg_len,
+                payload_len: m.payload_len,
+                agg_op: m.agg_op,
+                dtype: m.dtype,
+                overflow: s.overflow,
+                contributors: m.expected,
+                values: &s.acc[..n],
+            });
+        }
+        // The answer once into the arena, then one entry per contributor.
+        let start = self.arena.len();
+        self.arena.extend_from_slice(&s.answer[..s.answer_len]);
+        let len = s.answer_len;
+        let mut bits = m.expected;
+        while bits != 0 {
+            let b = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(Some(to)) = self.members.get(m.mask_base as usize + b) {
+                self.out.push((*to, start, len));
+            }
+        }
+        let op = self.slots[idx].op_id;
+        self.track_op(op, m.msg_len as usize, chunk, now);
+    }
+
+    fn track_op(&mut self, op: u32, msg_len: usize, chunk: usize, now: Instant) {
+        if !self.ops.contains_key(&op) && self.ops.len() >= MAX_TRACKED_OPS {
+            let linger = self.cfg.linger;
+            self.ops.retain(|_, t| now.duration_since(t.last) <= linger);
+            if self.ops.len() >= MAX_TRACKED_OPS {
+                if let Some(oldest) = self.ops.iter().min_by_key(|(_, t)| t.last).map(|(k, _)| *k) {
+                    self.ops.remove(&oldest);
+                }
+            }
+        }
+        let t = self.ops.entry(op).or_insert(OpTrack { nchunks: msg_len.div_ceil(chunk) as u32, done: 0, last: now });
+        t.done += 1;
+        t.last = now;
+    }
+
+    /// Moves a DONE slot's answer into the retired ring (swapping buffers:
+    /// no copy, no allocation).
+    fn retire(&mut self, idx: usize) {
+        let r = self.retired_next;
+        self.retired_next = (r + 1) % self.retired.len();
+        if let Some(old) = self.retired[r].key.take() {
+            if self.retired_idx.get(&old) == Some(&r) {
+                self.retired_idx.remove(&old);
+            }
+        }
+        let s = &mut self.slots[idx];
+        let ret = &mut self.retired[r];
+        std::mem::swap(&mut ret.answer, &mut s.answer);
+        ret.answer_len = s.answer_len;
+        ret.meta = s.meta;
+        ret.when = s.done_at;
+        ret.key = Some((s.op_id, s.frag_off));
+        self.retired_idx.insert((s.op_id, s.frag_off), r);
+        s.state = State::Free;
+    }
+
+    /// Queues the answer of a finished chunk for one retransmitting sender,
+    /// addressed (dst_mask) to that sender only.
+    fn answer_one(&mut self, idx: usize, retired: bool, rank: u16, base: usize) {
+        let Some(Some(to)) = self.members.get(rank as usize).copied() else { return };
+        let (buf, len) = if retired {
+            (&self.retired[idx].answer, self.retired[idx].answer_len)
+        } else {
+            (&self.slots[idx].answer, self.slots[idx].answer_len)
+        };
+        let start = self.arena.len();
+        self.arena.extend_from_slice(&buf[..len]);
+        let only = 1u64 << (rank as usize - base);
+        self.arena[start + 16..start + 24].copy_from_slice(&only.to_be_bytes());
+        self.out.push((to, start, len));
+    }
+
+    /// Answers waiting for [`flush`](Self::flush).
+    pub fn pending_answers(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Sends every queued answer (sendmmsg, 1024 per call).
+    pub fn flush(&mut self, sock: &BatchSocket) -> Result<()> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let dgrams: Vec<Datagram<'_>> = self
+            .out
+            .iter()
+            .map(|&(to, start, len)| Datagram { to, head: &self.arena[start..start + len], body: &[] })
+            .collect();
+        let res = sock.send_all(&dgrams);
+        let n = dgrams.len() as u64;
+        drop(dgrams);
+        self.out.clear();
+        self.arena.clear();
+        self.stats.send_calls += res? as u64;
+        self.stats.answers_sent += n;
+        Ok(())
+    }
+
+    /// One receive batch (up to the size of `rb`) handled completely:
+    /// decode, aggregate, answer.  Returns the datagrams read (0 on timeout).
+    pub fn serve_batch(
+        &mut self,
+        sock: &BatchSocket,
+        rb: &mut RecvBatch,
+        timeout: Option<Duration>,
+        sink: &mut dyn AggSink,
+    ) -> Result<usize> {
+        let n = sock.recv_batch(rb, timeout)?;
+        self.stats.recv_calls += 1;
+        let now = Instant::now();
+        for i in 0..n {
+            self.stats.datagrams += 1;
+            let (d, from) = rb.get(i);
+            let Ok(d) = d else {
+                self.stats.truncated += 1;
+                continue;
+            };
+            match Header::decode(d) {
+                Ok((h, p)) if h.msg_type == T_AGG => self.ingest(&h, p, from, now, sink),
+                Ok(_) => self.stats.not_contribution += 1,
+                Err(_) => self.stats.malformed += 1,
+            }
+        }
+        self.flush(sock)?;
+        Ok(n)
+    }
+}
+
+/// Adds one contribution's big-endian values into the int64 accumulators
+/// (`first`: the slot's first contribution initialises them).  Returns
+/// whether an int64 sum overflowed.
+fn combine(acc: &mut [i64], payload: &[u8], dtype: u8, op: u8, first: bool) -> bool {
+    if dtype == DT_I64 {
+        let vals =
+            payload.chunks_exact(8).map(|b| i64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
+        combine_vals(acc, vals, op, first)
+    } else {
+        let vals = payload.chunks_exact(4).map(|b| i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]])));
+        combine_vals(acc, vals, op, first)
+    }
+}
+
+/// The op dispatch is outside the loops so that each loop is a plain
+/// element-wise kernel the compiler vectorizes.
+#[inline(always)]
+fn combine_vals(acc: &mut [i64], vals: impl Iterator<Item = i64>, op: u8, first: bool) -> bool {
+    let pairs = acc.iter_mut().zip(vals);
+    match (first, op) {
+        (true, OP_COUNT) => pairs.for_each(|(a, v)| *a = i64::from(v != 0)),
+        (true, _) => pairs.for_each(|(a, v)| *a = v),
+        (false, OP_SUM | OP_AVG) => {
+            // Signed overflow iff both operands' signs differ from the
+            // result's; OR the indicator over the chunk, test once.
+            let mut ovf = 0i64;
+            pairs.for_each(|(a, v)| {
+                let r = a.wrapping_add(v);
+                ovf |= (*a ^ r) & (v ^ r);
+                *a = r;
+            });
+            return ovf < 0;
+        }
+        (false, OP_MAX) => pairs.for_each(|(a, v)| *a = (*a).max(v)),
+        (false, OP_MIN) => pairs.for_each(|(a, v)| *a = (*a).min(v)),
+        (false, OP_COUNT) => pairs.for_each(|(a, v)| *a += i64::from(v != 0)),
+        // check_contribution admits no other op.
+        (false, _) => {}
+    }
+    false
+}
+
+/// Writes the accumulators in the wire width: int32 types saturate.
+/// Returns whether any element was saturated.
+fn encode_result(acc: &[i64], dtype: u8, out: &mut [u8]) -> bool {
+    if dtype == DT_I64 {
+        for (o, a) in out.chunks_exact_mut(8).zip(acc) {
+            o.copy_from_slice(&a.to_be_bytes());
+        }
+        return false;
+    }
+    let mut sat = false;
+    for (o, &a) in out.chunks_exact_mut(4).zip(acc) {
+        let v = a.clamp(i64::from(i32::MIN), i64::from(i32::MAX));
+        sat |= v != a;
+        o.copy_from_slice(&(v as i32).to_be_bytes());
+    }
+    sat
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agg::packet::contribution_header;
+    use crate::group::Member;
+    use crate::wire::{DT_F32Q, DT_I32};
+    use std::net::Ipv4Addr;
+
+    const CHUNK: usize = 16; // 4 int32 or 2 int64 per chunk: small tables
+
+    fn group(n: u16) -> Group {
+        let members = (0..n)
+            .map(|r| Member { rank: r, addr: Ipv4Addr::LOCALHOST, port: 40_000 + r, iface: "lo".into(), netns: None })
+            .collect();
+        Group::new("t", 5, members)
+    }
+
+    fn agg(nslots: usize) -> UserAggregator {
+        UserAggregator::new(
+            &group(8),
+            UserAggConfig {
+                job_id: 5,
+                my_rank: 0,
+                chunk_bytes: CHUNK,
+                nslots,
+                slot_timeout: Duration::from_millis(100),
+                linger: Duration::from_secs(10),
+            },
+        )
+    }
+
+    fn from(rank: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::LOCALHOST, 40_000 + rank)
+    }
+
+    struct Pkt {
+        h: Header,
+        p: Vec<u8>,
+    }
+
+    /// Contribution of `rank` to chunk `c` of op `op` (int32 values).
+    fn contrib(rank: u16, op: u32, c: usize, vals: &[i32], msg_elems: usize, agg_op: u8, allreduce: bool) -> Pkt {
+        let flags = if allreduce { F_ALLREDUCE } else { 0 };
+        let h = contribution_header(5, rank, 0, 0b1110, op, CHUNK, c, msg_elems * 4, agg_op, DT_I32, flags);
+        assert_eq!(h.payload_len as usize, vals.len() * 4);
+        Pkt { h, p: vals.iter().flat_map(|v| v.to_be_bytes()).collect() }
+    }
+
+    #[derive(Default)]
+    struct Out {
+        done: Vec<(u32, u32, Vec<i64>, bool)>,
+        admit: Option<Admit>,
+        /// Like a local root: refuse other message lengths.
+        expect_len: Option<u32>,
+    }
+
+    impl AggSink for Out {
+        fn admit(&mut self, h: &Header) -> Admit {
+            match self.expect_len {
+                Some(l) if h.msg_len != l => Admit::Mismatch(format!("root expects {l} bytes")),
+                _ => self.admit.clone().unwrap_or(Admit::Yes),
+            }
+        }
+        fn deliver(&mut self, d: &ChunkDone<'_>) {
+            self.done.push((d.op_id, d.frag_off, d.values.to_vec(), d.overflow))
+        }
+    }
+
+    fn feed(a: &mut UserAggregator, p: &Pkt, rank: u16, out: &mut Out) {
+        feed_at(a, p, rank, out, Instant::now());
+    }
+
+    fn feed_at(a: &mut UserAggregator, p: &Pkt, rank: u16, out: &mut Out, now: Instant) {
+        a.ingest(&p.h, &p.p, from(rank), now, out);
+    }
+
+    /// Answers queued so far: (to-port, header, payload).
+    fn answers(a: &mut UserAggregator) -> Vec<(u16, Header, Vec<u8>)> {
+        let r = a
+            .out
+            .iter()
+            .map(|&(to, s, l)| {
+                let (h, p) = Header::decode(&a.arena[s..s + l]).expect("answers decode");
+                (to.port() - 40_000, h, p.to_vec())
+            })
+            .collect();
+        a.out.clear();
+        a.arena.clear();
+        r
+    }
+
+    fn i32s(p: &[u8]) -> Vec<i32> {
+        p.chunks_exact(4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    #[test]
+    fn every_op_over_int32() {
+        let cases: [(u8, [i64; 4]); 5] = [
+            (OP_SUM, [6, 0, -6, 3]),
+            (OP_AVG, [6, 0, -6, 3]), // summed on the wire
+            (OP_MAX, [3, 5, -1, 3]),
+            (OP_MIN, [1, -5, -3, 0]),
+            (OP_COUNT, [3, 2, 3, 1]),
+        ];
+        for (i, (op, want)) in cases.iter().enumerate() {
+            let mut a = agg(8);
+            let mut out = Out::default();
+            let vals = [[1, 5, -1, 0], [2, -5, -2, 0], [3, 0, -3, 3]];
+            for (k, r) in [1u16, 2, 3].iter().enumerate() {
+                feed(&mut a, &contrib(*r, i as u32, 0, &vals[k], 4, *op, false), *r, &mut out);
+            }
+            assert_eq!(out.done.len(), 1, "op {op}");
+            assert_eq!(out.done[0].2, want.to_vec(), "op {op}");
+            let ans = answers(&mut a);
+            assert_eq!(ans.len(), 3, "one ACK per contributor");
+            for (to, h, p) in &ans {
+                assert_eq!((h.msg_type, h.payload_len, p.len()), (T_AGG_ACK, 0, 0));
+                assert_eq!((h.src_rank, h.dst_mask, h.msg_seq, h.agg_op), (0, 0b1110, i as u32, *op));
+                assert!([1, 2, 3].contains(to));
+            }
+            assert_eq!(a.stats().acks, 1);
+        }
+    }
+
+    #[test]
+    fn allreduce_result_saturates_and_flags_overflow() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        for r in [1u16, 2, 3] {
+            feed(&mut a, &contrib(r, 7, 0, &[i32::MAX, i32::MIN, 1, -1], 4, OP_SUM, true), r, &mut out);
+        }
+        assert!(out.done.is_empty(), "allreduce results go out as packets only");
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 3);
+        for (_, h, p) in &ans {
+            assert_eq!(h.msg_type, T_AGG_RESULT);
+            assert_ne!(h.flags & F_OVERFLOW, 0);
+            assert_eq!(i32s(p), vec![i32::MAX, i32::MIN, 3, -3]);
+        }
+        assert_eq!(a.stats().overflow, 1);
+        // In range: no flag.
+        for r in [1u16, 2, 3] {
+            feed(&mut a, &contrib(r, 8, 0, &[1, 2, 3, 4], 4, OP_SUM, true), r, &mut out);
+        }
+        let ans = answers(&mut a);
+        assert_eq!(ans[0].1.flags & F_OVERFLOW, 0);
+        assert_eq!(i32s(&ans[0].2), vec![3, 6, 9, 12]);
+    }
+
+    #[test]
+    fn int64_sum_overflow_is_flagged() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        for r in [1u16, 2, 3] {
+            let h = contribution_header(5, r, 0, 0b1110, 1, CHUNK, 0, 16, OP_SUM, DT_I64, 0);
+            let p: Vec<u8> = [i64::MAX / 2, 1i64].iter().flat_map(|v| v.to_be_bytes()).collect();
+            feed(&mut a, &Pkt { h, p }, r, &mut out);
+        }
+        assert_eq!(out.done.len(), 1);
+        assert!(out.done[0].3, "int64 overflow must be flagged");
+        assert_eq!(out.done[0].2[1], 3);
+    }
+
+    #[test]
+    fn duplicates_are_counted_once_and_done_chunks_answer_the_sender() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        let p1 = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, true);
+        feed(&mut a, &p1, 1, &mut out);
+        feed(&mut a, &p1, 1, &mut out); // duplicate while active
+        feed(&mut a, &contrib(2, 0, 0, &[2, 2, 2, 2], 4, OP_SUM, true), 2, &mut out);
+        feed(&mut a, &contrib(3, 0, 0, &[3, 3, 3, 3], 4, OP_SUM, true), 3, &mut out);
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 3);
+        assert_eq!(i32s(&ans[0].2), vec![6; 4], "the duplicate was not added");
+        assert_eq!(a.stats().dup, 1);
+        // Retransmission after completion: answered to rank 2 only.
+        feed(&mut a, &contrib(2, 0, 0, &[2, 2, 2, 2], 4, OP_SUM, true), 2, &mut out);
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 1);
+        assert_eq!(ans[0].0, 2);
+        assert_eq!(ans[0].1.dst_mask, 1 << 2);
+        assert_eq!(i32s(&ans[0].2), vec![6; 4]);
+        assert_eq!(a.stats().dup_done, 1);
+        assert_eq!(a.stats().pkts, 3);
+    }
+
+    #[test]
+    fn mismatch_is_dropped_and_reported() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        feed(&mut a, &contrib(1, 0, 0, &[1, 1, 1, 1], 8, OP_SUM, false), 1, &mut out);
+        // Rank 2 thinks the message has 12 elements, rank 3 uses MAX.
+        feed(&mut a, &contrib(2, 0, 0, &[1, 1, 1, 1], 12, OP_SUM, false), 2, &mut out);
+        feed(&mut a, &contrib(3, 0, 0, &[1, 1, 1, 1], 8, OP_MAX, false), 3, &mut out);
+        assert_eq!(a.stats().mismatch, 2);
+        assert!(out.done.is_empty());
+        let ev = a.take_mismatches();
+        assert_eq!(ev.iter().map(|e| e.rank).collect::<Vec<_>>(), vec![2, 3]);
+        assert!(ev[0].detail.contains("48 bytes") && ev[0].detail.contains("32 bytes"), "{}", ev[0].detail);
+        // The right contributions still complete the chunk correctly.
+        feed(&mut a, &contrib(2, 0, 0, &[2, 2, 2, 2], 8, OP_SUM, false), 2, &mut out);
+        feed(&mut a, &contrib(3, 0, 0, &[3, 3, 3, 3], 8, OP_SUM, false), 3, &mut out);
+        assert_eq!(out.done.len(), 1);
+        assert_eq!(out.done[0].2, vec![6; 4]);
+    }
+
+    /// A local root learns of a mismatch whether the bad packet comes
+    /// first (no slot yet) or after good ones (slot active).
+    #[test]
+    fn the_owner_sees_mismatches_in_either_order() {
+        for bad_first in [true, false] {
+            let mut a = agg(8);
+            let mut out = Out { expect_len: Some(16), ..Out::default() };
+            let good = contrib(1, 0, 0, &[1; 4], 4, OP_SUM, false);
+            let bad = contrib(2, 0, 0, &[1; 4], 8, OP_SUM, false);
+            let order = if bad_first { [(&bad, 2), (&good, 1)] } else { [(&good, 1), (&bad, 2)] };
+            for (p, r) in order {
+                feed(&mut a, p, r, &mut out);
+            }
+            let ev = a.take_mismatches();
+            assert_eq!(a.stats().mismatch, 1, "bad first: {bad_first}");
+            assert_eq!((ev.len(), ev[0].rank), (1, 2));
+            assert!(ev[0].detail.contains("root expects 16"), "{}", ev[0].detail);
+        }
+    }
+
+    #[test]
+    fn outsiders_and_malformed_are_counted() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        // Rank 4 is a member but not in the mask 0b1110.
+        let mut p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        p.h.src_rank = 4;
+        feed(&mut a, &p, 4, &mut out);
+        assert_eq!(a.stats().not_contrib, 1);
+        // Rank 1's packet from rank 2's address.
+        let p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        feed(&mut a, &p, 2, &mut out);
+        // Rank 100 does not exist.
+        let mut p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        p.h.src_rank = 65;
+        p.h.mask_base = 64;
+        p.h.dst_mask = 2;
+        a.ingest(&p.h, &p.p, from(1), Instant::now(), &mut out);
+        assert_eq!(a.stats().not_member, 2);
+        // Another job.
+        let mut p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        p.h.job_id = 6;
+        feed(&mut a, &p, 1, &mut out);
+        assert_eq!(a.stats().other_job, 1);
+        // The aggregator's own rank in the contributor mask.
+        let mut p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        p.h.dst_mask |= 1;
+        feed(&mut a, &p, 1, &mut out);
+        assert_eq!(a.stats().malformed, 1);
+        // Unknown op.
+        let mut p = contrib(1, 0, 0, &[1, 1, 1, 1], 4, OP_SUM, false);
+        p.h.agg_op = 42;
+        feed(&mut a, &p, 1, &mut out);
+        assert_eq!(a.stats().unsupported, 1);
+        assert_eq!(a.stats().pkts, 0);
+        assert!(out.done.is_empty());
+    }
+
+    #[test]
+    fn busy_slot_then_reclaim_after_timeout() {
+        let mut a = agg(2); // two slots: op 0 chunk c and op 0 chunk c+2 collide
+        let mut out = Out::default();
+        let t0 = Instant::now();
+        // 12 elements = 3 chunks; chunk 0 and chunk 2 share a slot.
+        feed_at(&mut a, &contrib(1, 0, 0, &[1; 4], 12, OP_SUM, false), 1, &mut out, t0);
+        feed_at(&mut a, &contrib(1, 0, 2, &[1; 4], 12, OP_SUM, false), 1, &mut out, t0);
+        assert_eq!(a.stats().busy, 1, "a live chunk keeps its slot");
+        let later = t0 + Duration::from_millis(150);
+        feed_at(&mut a, &contrib(1, 0, 2, &[1; 4], 12, OP_SUM, false), 1, &mut out, later);
+        assert_eq!(a.stats().reclaimed, 1, "an abandoned chunk loses its slot after the timeout");
+        for r in [2u16, 3] {
+            feed_at(&mut a, &contrib(r, 0, 2, &[r as i32; 4], 12, OP_SUM, false), r, &mut out, later);
+        }
+        assert_eq!(out.done.len(), 1);
+        assert_eq!((out.done[0].1, out.done[0].2.clone()), (32, vec![6; 4]));
+    }
+
+    #[test]
+    fn done_slots_are_reused_and_retired_answers_still_served() {
+        let mut a = agg(2);
+        let mut out = Out::default();
+        // Op 0 has 3 chunks over 2 slots: chunk 2 reuses chunk 0's DONE slot.
+        for c in 0..3 {
+            for r in [1u16, 2, 3] {
+                feed(&mut a, &contrib(r, 0, c, &[c as i32; 4], 12, OP_SUM, true), r, &mut out);
+            }
+        }
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 9);
+        assert_eq!(a.stats().chunks_done, 3);
+        assert_eq!(a.stats().busy, 0);
+        // Rank 3 lost chunk 0's result and retransmits: served from the
+        // retired ring, to rank 3 only.
+        feed(&mut a, &contrib(3, 0, 0, &[0; 4], 12, OP_SUM, true), 3, &mut out);
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 1);
+        assert_eq!((ans[0].0, ans[0].1.frag_off, ans[0].1.dst_mask), (3, 0, 1 << 3));
+        assert_eq!(a.stats().dup_done, 1);
+    }
+
+    #[test]
+    fn stale_packets_of_finished_ops_take_no_slot() {
+        let mut a = agg(2);
+        let mut out = Out::default();
+        // Op 0 (3 chunks) finishes; its chunk-0 answer gets recycled twice
+        // over by op 1, then a late chunk-0 packet of op 0 arrives.
+        for (op, chunks) in [(0u32, 3usize), (1, 3), (2, 3)] {
+            for c in 0..chunks {
+                for r in [1u16, 2, 3] {
+                    feed(&mut a, &contrib(r, op, c, &[1; 4], 12, OP_SUM, false), r, &mut out);
+                }
+            }
+        }
+        assert_eq!(out.done.len(), 9);
+        let before = a.stats();
+        feed(&mut a, &contrib(1, 0, 0, &[1; 4], 12, OP_SUM, false), 1, &mut out);
+        let s = a.stats();
+        assert_eq!((s.stale - before.stale, s.pkts - before.pkts), (1, 0));
+    }
+
+    #[test]
+    fn admission_controls_reduce_contributions() {
+        let mut a = agg(8);
+        let p = contrib(1, 0, 0, &[1; 4], 4, OP_SUM, false);
+        let mut out = Out { admit: Some(Admit::Early), ..Out::default() };
+        a.ingest(&p.h, &p.p, from(1), Instant::now(), &mut out);
+        out.admit = Some(Admit::Mismatch("x".into()));
+        a.ingest(&p.h, &p.p, from(1), Instant::now(), &mut out);
+        assert_eq!((a.stats().early, a.stats().mismatch, a.stats().pkts), (1, 1, 0));
+    }
+
+    #[test]
+    fn f32q_is_int32_on_the_wire() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        for r in [1u16, 2, 3] {
+            let mut p = contrib(r, 0, 0, &[1 << 29, -(1 << 29), 5, 0], 4, OP_SUM, false);
+            p.h.dtype = DT_F32Q;
+            feed(&mut a, &p, r, &mut out);
+        }
+        assert_eq!(out.done[0].2, vec![3 << 29, -(3 << 29), 15, 0], "reduce keeps int64: no saturation");
+        assert!(!out.done[0].3);
+    }
+
+    /// The accumulate loops run at memory speed (ignored: timing only).
+    /// `cargo test --release -p kccl --lib combine_throughput -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn combine_throughput() {
+        let p: Vec<u8> = (0..358i32).flat_map(|v| v.to_be_bytes()).collect();
+        let mut acc = vec![0i64; 358];
+        let n = 2_000_000;
+        let t = Instant::now();
+        for i in 0..n {
+            combine(&mut acc, &p, DT_I32, OP_SUM, i == 0);
+        }
+        let dt = t.elapsed();
+        println!(
+            "combine int32 SUM: {:.1} ns per 1432-byte chunk, {:.2} GB/s (acc[1]={})",
+            dt.as_nanos() as f64 / n as f64,
+            n as f64 * 1432.0 / dt.as_secs_f64() / 1e9,
+            acc[1]
+        );
+    }
+}
