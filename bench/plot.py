@@ -42,7 +42,44 @@ def broadcast(records, png):
     fig.savefig(png, dpi=110)
 
 
-KINDS = {"broadcast": broadcast}
+def aggregation(records, png):
+    """reduce/allreduce: throughput and time per operation vs vector size."""
+    kind = records[0]["kind"] if records else "aggregation"
+    paths = sorted({r["path"] for r in records})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for p in paths:
+        rows = sorted((r for r in records if r["path"] == p), key=lambda r: r["bytes"])
+        x = [r["bytes"] / 2**20 for r in rows]
+        axes[0].plot(x, [r["elems_per_s"] / 1e6 for r in rows], marker="o", label=p)
+        axes[1].plot(x, [r["p50_ms"] for r in rows], marker="o", label=f"{p} p50")
+        axes[1].plot(x, [r["p99_ms"] for r in rows], marker="x", linestyle="--", label=f"{p} p99")
+    senders = records[0]["senders"] if records else 0
+    axes[0].set(title=f"{kind} throughput ({senders} senders)", xlabel="MiB per rank", ylabel="M elements/s")
+    axes[1].set(title=f"{kind} time per operation", xlabel="MiB per rank", ylabel="ms")
+    for a in axes:
+        a.set_xscale("log")
+        a.grid(True, alpha=0.3)
+        a.legend()
+        a.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def cpu(records, png):
+    paths = sorted({r["path"] for r in records})
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for p in paths:
+        rows = sorted((r for r in records if r["path"] == p), key=lambda r: r["senders"])
+        ax.plot([r["senders"] for r in rows], [r["cpu_pct"] for r in rows], marker="o", label=p)
+    ax.set(title="aggregator CPU at a paced reduce load", xlabel="senders", ylabel="% of one CPU")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+KINDS = {"broadcast": broadcast, "reduce": aggregation, "allreduce": aggregation, "cpu": cpu}
 
 if __name__ == "__main__":
     kind, src, dst = sys.argv[1:4]

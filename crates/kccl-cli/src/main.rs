@@ -10,10 +10,12 @@ use clap::{Args, Parser, Subcommand};
 use kccl::agg::{AggConfig, Aggregator};
 use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver};
 use kccl::bench::{write_outputs, BcastHarness, BcastRecord};
+use kccl::bench_agg::Kind;
 use kccl::cluster::{self, ClusterSpec};
 use kccl::group::{parse_ranks, Group};
 use kccl::{netns, Error, Result};
 
+mod agg_cmd;
 mod demo;
 
 #[derive(Parser)]
@@ -34,6 +36,10 @@ enum Cmd {
     Receive(ReceiveArgs),
     /// Run the group's allreduce aggregator (the rank named by `aggregator = <rank>`).
     Aggregator(AggregatorArgs),
+    /// Reduce a vector (generated or from a file) across the group to a root; the root prints a checksum.
+    Reduce(agg_cmd::ReduceArgs),
+    /// Allreduce a vector through the group's aggregator; every member prints a checksum.
+    Allreduce(agg_cmd::CollectiveArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -121,6 +127,12 @@ struct AggregatorArgs {
 enum BenchCmd {
     /// Broadcast latency and sender CPU, kernel vs user-space path, same run.
     Broadcast(BenchBroadcastArgs),
+    /// Reduce throughput (aggregated elements per second), kernel vs user path.
+    Reduce(agg_cmd::BenchAggArgs),
+    /// Allreduce throughput, kernel vs user path.
+    Allreduce(agg_cmd::BenchAggArgs),
+    /// Aggregator CPU use vs number of senders at a paced load, kernel vs user path.
+    Cpu(agg_cmd::BenchCpuArgs),
 }
 
 #[derive(Args)]
@@ -158,7 +170,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Broadcast(a) => broadcast(a).map(|_| ExitCode::SUCCESS),
         Cmd::Receive(a) => receive(a).map(|_| ExitCode::SUCCESS),
         Cmd::Aggregator(a) => aggregator(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Reduce(a) => agg_cmd::reduce(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Allreduce(a) => agg_cmd::allreduce(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Broadcast(a)) => bench_broadcast(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Reduce(a)) => agg_cmd::bench(Kind::Reduce, a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
     }
 }

@@ -15,6 +15,7 @@
 pub mod agg;
 pub mod bcast;
 pub mod bench;
+pub mod bench_agg;
 pub mod cluster;
 pub mod error;
 pub mod group;

@@ -1,0 +1,336 @@
+//! `kccl reduce`, `kccl allreduce` and `kccl bench reduce|allreduce|cpu`.
+//!
+//! reduce/allreduce run one member of a group: each member generates a
+//! deterministic vector from (seed, rank), or reads one from a file, and the
+//! result is summarised as a checksum (element sum and FNV-1a of the bytes)
+//! that every member of an allreduce prints identically.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kccl::agg::{AggConfig, AggOp, Collective, Element, Quant};
+use kccl::bcast::{Path, PathChoice};
+use kccl::bench::{fnv1a, write_outputs};
+use kccl::bench_agg::{measure_cpu, AggHarness, AggRecord, CpuRecord, Kind};
+use kccl::cluster;
+use kccl::{Error, Result};
+
+use crate::{member_setup, MemberArgs};
+
+#[derive(Args)]
+pub struct CollectiveArgs {
+    #[command(flatten)]
+    member: MemberArgs,
+    /// sum, count, max, min or avg.
+    #[arg(long, default_value = "sum")]
+    op: String,
+    /// Element type: i32, i64 or f32.
+    #[arg(long, default_value = "i32")]
+    dtype: String,
+    /// Elements of the generated vector (ignored with --input).
+    #[arg(long, default_value_t = 1 << 20)]
+    count: usize,
+    /// Seed of the generated vector (each rank's data also depends on its rank).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Read this rank's vector from a file of little-endian elements instead.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// Write the result (little-endian elements) here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// float32 quantization scale (e.g. 1e8); default: automatic per chunk.
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Seconds without progress before the operation fails.
+    #[arg(long, default_value_t = 10.0)]
+    deadline: f64,
+}
+
+#[derive(Args)]
+pub struct ReduceArgs {
+    #[command(flatten)]
+    c: CollectiveArgs,
+    /// The rank that receives the result.
+    #[arg(long, default_value_t = 0)]
+    root: u16,
+}
+
+fn config(a: &CollectiveArgs) -> Result<AggConfig> {
+    let mut cfg = AggConfig::default();
+    if let Some(s) = a.scale {
+        if !(s.is_finite() && s > 0.0) {
+            return Err(Error::Usage(format!("--scale {s}: must be a positive finite number")));
+        }
+        cfg.quant = Quant::Fixed(s);
+    }
+    if !(a.deadline.is_finite() && a.deadline > 0.0) {
+        return Err(Error::Usage(format!("--deadline {}: must be positive seconds", a.deadline)));
+    }
+    cfg.deadline = Duration::from_secs_f64(a.deadline);
+    Ok(cfg)
+}
+
+/// splitmix64: cheap, deterministic, same on every machine.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+trait CliElement: Element + Copy + std::fmt::Debug {
+    const SIZE: usize;
+    fn gen(seed: u64, rank: u16, i: usize) -> Self;
+    fn from_le(b: &[u8]) -> Self;
+    fn to_le(self, out: &mut Vec<u8>);
+    fn as_f64(self) -> f64;
+}
+
+impl CliElement for i32 {
+    const SIZE: usize = 4;
+    fn gen(seed: u64, rank: u16, i: usize) -> i32 {
+        (mix(seed ^ ((rank as u64) << 40) ^ i as u64) % 2001) as i32 - 1000
+    }
+    fn from_le(b: &[u8]) -> i32 {
+        i32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+    fn as_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl CliElement for i64 {
+    const SIZE: usize = 8;
+    fn gen(seed: u64, rank: u16, i: usize) -> i64 {
+        (mix(seed ^ ((rank as u64) << 40) ^ i as u64) % 2_000_000_001) as i64 - 1_000_000_000
+    }
+    fn from_le(b: &[u8]) -> i64 {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[..8]);
+        i64::from_le_bytes(a)
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+    fn as_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl CliElement for f32 {
+    const SIZE: usize = 4;
+    /// Gradient-like values: uniform in (-0.01, 0.01).
+    fn gen(seed: u64, rank: u16, i: usize) -> f32 {
+        let u = (mix(seed ^ ((rank as u64) << 40) ^ i as u64) >> 40) as f32 / (1u64 << 24) as f32;
+        (u * 2.0 - 1.0) * 0.01
+    }
+    fn from_le(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+    fn as_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+fn input<T: CliElement>(a: &CollectiveArgs, rank: u16) -> Result<Vec<T>> {
+    match &a.input {
+        None => Ok((0..a.count).map(|i| T::gen(a.seed, rank, i)).collect()),
+        Some(p) => {
+            let b = std::fs::read(p).map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+            if b.len() % T::SIZE != 0 {
+                return Err(Error::Usage(format!(
+                    "{}: {} bytes is not a whole number of {}-byte elements",
+                    p.display(),
+                    b.len(),
+                    T::SIZE
+                )));
+            }
+            Ok(b.chunks_exact(T::SIZE).map(T::from_le).collect())
+        }
+    }
+}
+
+fn report<T: CliElement>(what: &str, a: &CollectiveArgs, r: &[T], took: Duration) -> Result<()> {
+    let mut bytes = Vec::with_capacity(r.len() * T::SIZE);
+    for &v in r {
+        v.to_le(&mut bytes);
+    }
+    let sum: f64 = r.iter().map(|v| v.as_f64()).sum();
+    println!(
+        "{what}: {} elements, sum {sum:.6e}, fnv1a {:016x}, first {:?} ({:.1} ms)",
+        r.len(),
+        fnv1a(&bytes),
+        &r[..r.len().min(3)],
+        took.as_secs_f64() * 1e3
+    );
+    if let Some(p) = &a.out {
+        std::fs::write(p, &bytes).map_err(|e| Error::io(format!("writing {}", p.display()), e))?;
+    }
+    Ok(())
+}
+
+fn run_typed<T: CliElement>(a: &CollectiveArgs, root: Option<u16>) -> Result<()> {
+    let (group, rank, choice) = member_setup(&a.member)?;
+    let op: AggOp = a.op.parse()?;
+    let data: Vec<T> = input(a, rank)?;
+    let mut c = Collective::new(&group, rank, choice, config(a)?)?;
+    eprintln!("kccl: {}", c.path_reason());
+    let t0 = Instant::now();
+    match root {
+        Some(root) => match c.reduce(&data, op, root)? {
+            Some(r) => report(&format!("reduce {op} at root {rank}"), a, &r, t0.elapsed())?,
+            None => eprintln!(
+                "kccl: rank {rank}: {} elements contributed to the reduce at rank {root} ({:.1} ms)",
+                data.len(),
+                t0.elapsed().as_secs_f64() * 1e3
+            ),
+        },
+        None => {
+            let r = c.allreduce(&data, op)?;
+            report(&format!("allreduce {op} at rank {rank}"), a, &r, t0.elapsed())?;
+        }
+    }
+    Ok(())
+}
+
+fn dispatch(a: &CollectiveArgs, root: Option<u16>) -> Result<()> {
+    match a.dtype.as_str() {
+        "i32" => run_typed::<i32>(a, root),
+        "i64" => run_typed::<i64>(a, root),
+        "f32" => run_typed::<f32>(a, root),
+        other => Err(Error::Usage(format!("--dtype {other}: expected i32, i64 or f32"))),
+    }
+}
+
+pub fn reduce(a: ReduceArgs) -> Result<()> {
+    dispatch(&a.c, Some(a.root))
+}
+
+pub fn allreduce(a: CollectiveArgs) -> Result<()> {
+    dispatch(&a, None)
+}
+
+#[derive(Args)]
+pub struct BenchAggArgs {
+    #[arg(long, default_value_t = 4)]
+    senders: usize,
+    /// Bytes of each rank's int32 vector.
+    #[arg(long, default_value = "65536,1048576,16777216,67108864", value_delimiter = ',')]
+    sizes: Vec<usize>,
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    #[arg(long, default_value = "sum")]
+    op: String,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Fast run for CI: small sizes, few iterations.
+    #[arg(long)]
+    smoke: bool,
+}
+
+pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
+    if a.smoke {
+        a.senders = a.senders.min(2);
+        a.sizes = vec![4096, 262_144];
+        a.iters = 3;
+    }
+    if let Some(bad) = a.sizes.iter().find(|&&s| s == 0 || s % 4 != 0) {
+        return Err(Error::Usage(format!("size {bad}: sizes are bytes of an int32 vector (a positive multiple of 4)")));
+    }
+    let op: AggOp = a.op.parse()?;
+    let h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
+    let mut cfg = AggConfig::default();
+    // Large vectors: allow for the 2-core machine being slow under load.
+    cfg.deadline = Duration::from_secs(60);
+    println!("== {kind} of int32 vectors, {} senders, kernel vs user path", a.senders);
+    let rows: Vec<AggRecord> =
+        h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;
+    drop(h);
+    let json = a.json.unwrap_or_else(|| PathBuf::from(format!("bench-{kind}.json")));
+    write_outputs(&rows, &json, a.plot.as_deref(), &kind.to_string())?;
+    println!(
+        "wrote {}{}",
+        json.display(),
+        a.plot.as_ref().map(|p| format!(" and {}", p.display())).unwrap_or_default()
+    );
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct BenchCpuArgs {
+    #[arg(long, default_value = "2,4,8,16,30", value_delimiter = ',')]
+    senders: Vec<usize>,
+    /// Bytes each sender reduces per operation.
+    #[arg(long, default_value_t = 65536)]
+    bytes: usize,
+    /// One operation every this many milliseconds (the offered load).
+    #[arg(long, default_value_t = 20.0)]
+    period_ms: f64,
+    /// Seconds per point.
+    #[arg(long, default_value_t = 4.0)]
+    seconds: f64,
+    #[arg(long, default_value = "bench-cpu.json")]
+    json: PathBuf,
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    #[arg(long)]
+    smoke: bool,
+}
+
+pub fn bench_cpu(mut a: BenchCpuArgs) -> Result<()> {
+    if a.smoke {
+        a.senders = vec![2];
+        a.seconds = 0.5;
+    }
+    if a.bytes == 0 || a.bytes % 4 != 0 || !(a.period_ms > 0.0) || !(a.seconds > 0.0) {
+        return Err(Error::Usage(
+            "--bytes must be a positive multiple of 4, --period-ms and --seconds positive".into(),
+        ));
+    }
+    let mut rows: Vec<CpuRecord> = Vec::new();
+    let cfg = AggConfig { deadline: Duration::from_secs(30), ..AggConfig::default() };
+    for &n in &a.senders {
+        let mut pair = Vec::new();
+        for choice in [PathChoice::Kernel, PathChoice::User] {
+            let r = measure_cpu(
+                &cluster::unique_name("bcpu"),
+                n,
+                choice,
+                a.bytes,
+                Duration::from_secs_f64(a.period_ms / 1e3),
+                Duration::from_secs_f64(a.seconds),
+                &cfg,
+            )?;
+            println!(
+                "  {:<6} senders={:<2} offered={:>7.1} MB/s achieved={:>7.1} MB/s aggregator cpu={:>5.1}% (napi {:>5.1}% + thread {:>5.1}%)",
+                r.path.to_string(),
+                r.senders,
+                r.offered_mb_s,
+                r.achieved_mb_s,
+                r.cpu_pct,
+                r.napi_cpu_pct,
+                r.thread_cpu_pct
+            );
+            pair.push(r);
+        }
+        if let (Some(k), Some(u)) =
+            (pair.iter().find(|r| r.path == Path::Kernel), pair.iter().find(|r| r.path == Path::User))
+        {
+            println!("  ratio kernel/user aggregator cpu: {:.2}x", k.cpu_pct / u.cpu_pct.max(1e-9));
+        }
+        rows.extend(pair);
+    }
+    write_outputs(&rows, &a.json, a.plot.as_deref(), "cpu")?;
+    println!("wrote {}", a.json.display());
+    Ok(())
+}

@@ -1,0 +1,627 @@
+//! Aggregation benchmarks (`kccl bench reduce|allreduce|cpu`, `kccl demo`).
+//!
+//! One process drives a virtual cluster: host 0 is the aggregator (the reduce
+//! root, or the allreduce aggregator service), hosts 1..=senders contribute,
+//! each on a thread that entered its own namespace.  All ranks start each
+//! operation together (a barrier), so one operation is timed from the barrier
+//! to the result being complete: at the root for reduce, at the slowest member
+//! for allreduce.  Paths alternate per size in one run.
+//!
+//! Throughput: `elems_per_s` = vector elements x contributing senders / time,
+//! i.e. element contributions aggregated per second (the paper's "ops/s").
+//! Before any timing, one untimed operation per path and size is checked
+//! element by element against a reference computed independently from every
+//! rank's generator.
+//!
+//! CPU (`kccl bench cpu`): the aggregator's receive path runs in a threaded
+//! NAPI kernel thread pinned to CPU 1 (GRO on its veth, TSO/GSO off on the
+//! bridge port so the user path also goes through NAPI), the aggregator's
+//! thread is pinned to CPU 1 too, senders to CPU 0.  The aggregator's CPU is
+//! that NAPI thread's run time (/proc/PID/schedstat: XDP, the stack, socket
+//! delivery, the ACK fan-out) plus the aggregator thread's CPU time, over the
+//! wall time of a paced run (the same offered load on both paths).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::agg::{AggConfig, AggOp, Aggregator, Collective};
+use crate::bcast::{thread_cpu_time, Path, PathChoice};
+use crate::bench::percentile;
+use crate::cluster::{ClusterGuard, ClusterSpec};
+use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::netns;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Reduce,
+    Allreduce,
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Kind::Reduce => "reduce",
+            Kind::Allreduce => "allreduce",
+        })
+    }
+}
+
+/// One result row of `kccl bench reduce|allreduce` (JSON record).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AggRecord {
+    pub kind: Kind,
+    pub path: Path,
+    pub op: &'static str,
+    pub dtype: &'static str,
+    /// Ranks whose data crosses the network (the reduce root's own data is
+    /// folded in by its runtime and not counted).
+    pub senders: usize,
+    /// Bytes of each rank's vector.
+    pub bytes: usize,
+    pub elems: usize,
+    pub iters: usize,
+    /// Median of elements x senders / seconds.
+    pub elems_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    /// Aggregator-side thread CPU per operation (the root's reduce call, or
+    /// for allreduce the aggregator service thread).
+    pub aggregator_cpu_ms: f64,
+    /// Mean CPU per operation of one sender thread.
+    pub sender_cpu_ms: f64,
+}
+
+/// One row of `kccl bench cpu`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CpuRecord {
+    pub path: Path,
+    pub op: &'static str,
+    pub senders: usize,
+    pub bytes: usize,
+    /// Offered load: bytes per second all senders together try to send.
+    pub offered_mb_s: f64,
+    /// Load actually aggregated (bytes of completed operations per second).
+    pub achieved_mb_s: f64,
+    /// Aggregator CPU (NAPI thread + aggregator thread) / wall time, percent
+    /// of one CPU.
+    pub cpu_pct: f64,
+    pub napi_cpu_pct: f64,
+    pub thread_cpu_pct: f64,
+    pub ops: usize,
+}
+
+/// Deterministic per-rank data: small values so that sums of up to 64 ranks
+/// fit any type; the mix of signs exercises MAX/MIN.
+pub fn rank_value(rank: u16, i: usize) -> i32 {
+    let x = (i as u64).wrapping_mul(2_654_435_761).wrapping_add(rank as u64 * 40_503) % 2001;
+    x as i32 - 1000
+}
+
+pub fn rank_data(rank: u16, elems: usize) -> Vec<i32> {
+    (0..elems).map(|i| rank_value(rank, i)).collect()
+}
+
+/// Reference result of `op` over `ranks` for element i.
+fn reference(op: AggOp, ranks: &[u16], i: usize) -> i32 {
+    let vals = ranks.iter().map(|&r| rank_value(r, i));
+    match op {
+        AggOp::Sum => vals.sum(),
+        AggOp::Count => vals.filter(|&v| v != 0).count() as i32,
+        AggOp::Max => vals.max().unwrap_or(0),
+        AggOp::Min => vals.min().unwrap_or(0),
+        AggOp::Avg => vals.sum::<i32>() / ranks.len().max(1) as i32,
+    }
+}
+
+fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[i32], elems: usize, who: u16) -> Result<()> {
+    if got.len() != elems {
+        return Err(Error::Usage(format!("{kind} check: rank {who} got {} elements, expected {elems}", got.len())));
+    }
+    if let Some(i) = (0..elems).find(|&i| got[i] != reference(op, ranks, i)) {
+        return Err(Error::Usage(format!(
+            "{kind} check: rank {who} element {i} is {}, expected {} ({op:?} over ranks {ranks:?})",
+            got[i],
+            reference(op, ranks, i)
+        )));
+    }
+    Ok(())
+}
+
+/// A barrier that a failing rank can break, so the others return an error
+/// instead of waiting forever for it.
+struct Gate {
+    parties: usize,
+    state: Mutex<(usize, u64, bool)>, // (arrived, generation, broken)
+    cv: std::sync::Condvar,
+}
+
+impl Gate {
+    fn new(parties: usize) -> Gate {
+        Gate { parties, state: Mutex::new((0, 0, false)), cv: std::sync::Condvar::new() }
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut g = self.state.lock().map_err(|_| poisoned())?;
+        if g.2 {
+            return Err(broken());
+        }
+        let gen = g.1;
+        g.0 += 1;
+        if g.0 == self.parties {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while g.1 == gen && !g.2 {
+            g = self.cv.wait(g).map_err(|_| poisoned())?;
+        }
+        if g.1 == gen {
+            return Err(broken());
+        }
+        Ok(())
+    }
+
+    fn break_all(&self) {
+        if let Ok(mut g) = self.state.lock() {
+            g.2 = true;
+        }
+        self.cv.notify_all();
+    }
+}
+
+fn broken() -> Error {
+    Error::Usage("another rank of the benchmark failed (see its error)".into())
+}
+
+/// Runs `f`, breaking `gate` if it fails so that no other rank waits forever.
+fn guarded<T>(gate: &Gate, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let r = f();
+    if r.is_err() {
+        gate.break_all();
+    }
+    r
+}
+
+/// A cluster with the aggregator on host 0 and `senders` contributing hosts.
+pub struct AggHarness {
+    guard: Option<ClusterGuard>,
+    group: Group,
+}
+
+impl AggHarness {
+    pub fn new(name: &str, senders: usize) -> Result<AggHarness> {
+        let guard = ClusterGuard::up(&ClusterSpec::new(name, senders + 1))?;
+        let group = guard.cluster.group.clone();
+        Ok(AggHarness { guard: Some(guard), group })
+    }
+
+    /// An existing group (its rank 0 aggregates), e.g. loopback members.
+    pub fn on_group(group: Group) -> AggHarness {
+        AggHarness { guard: None, group }
+    }
+
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Runs `kind` with `op` over int32 vectors of each size in `sizes`
+    /// (bytes) on each path in `paths`: one checked operation, then `iters`
+    /// timed ones.  Paths take turns per size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn measure(
+        &self,
+        kind: Kind,
+        op: AggOp,
+        senders: usize,
+        paths: &[PathChoice],
+        sizes: &[usize],
+        iters: usize,
+        cfg: &AggConfig,
+    ) -> Result<Vec<AggRecord>> {
+        let mut out = Vec::new();
+        for &bytes in sizes {
+            for &p in paths {
+                let r = self.run_one(kind, op, senders, p, bytes / 4, iters, cfg)?;
+                print_agg_row(&r);
+                out.push(r);
+            }
+            print_agg_ratio(&out[out.len().saturating_sub(paths.len())..]);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_one(
+        &self,
+        kind: Kind,
+        op: AggOp,
+        senders: usize,
+        choice: PathChoice,
+        elems: usize,
+        iters: usize,
+        cfg: &AggConfig,
+    ) -> Result<AggRecord> {
+        // Host 0 is the reduce root, or the allreduce aggregator service (a
+        // reduce root must not be the group's allreduce aggregator).
+        let mut group = self.group.clone();
+        let agg_rank = group.members[0].rank;
+        group.aggregator = (kind == Kind::Allreduce).then_some(agg_rank);
+        let group = &group;
+        let senders_ranks: Vec<u16> = group.members.iter().skip(1).take(senders).map(|m| m.rank).collect();
+        if senders_ranks.len() < senders {
+            return Err(Error::Usage(format!("the cluster has {} senders, asked for {senders}", senders_ranks.len())));
+        }
+        // Reduce: the root contributes its own data too (folded in by its
+        // runtime); allreduce: the aggregator service only combines.
+        let contributors: Vec<u16> = match kind {
+            Kind::Reduce => std::iter::once(agg_rank).chain(senders_ranks.iter().copied()).collect(),
+            Kind::Allreduce => senders_ranks.clone(),
+        };
+        let runners: Vec<u16> = contributors.clone();
+        let barrier = Gate::new(runners.len());
+        let stop = AtomicBool::new(false);
+        let times: Mutex<Vec<(u16, usize, Duration, Duration)>> = Mutex::new(Vec::new());
+        let path_used: Mutex<Option<Path>> = Mutex::new(None);
+        let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
+        let sub = group.clone();
+
+        std::thread::scope(|s| -> Result<()> {
+            // The allreduce aggregator service.
+            let service = if kind == Kind::Allreduce {
+                let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+                let (sub, stop, service_cpu) = (&sub, &stop, &service_cpu);
+                let h = s.spawn(move || -> Result<()> {
+                    let setup = || -> Result<Aggregator> {
+                        enter_host(sub, agg_rank)?;
+                        Aggregator::new(sub, agg_rank, choice, cfg.clone())
+                    };
+                    let mut a = match setup() {
+                        Ok(a) => {
+                            let _ = ready_tx.send(Ok(()));
+                            a
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(Error::Usage(format!("aggregator: {e}"))));
+                            return Err(e);
+                        }
+                    };
+                    let c0 = thread_cpu_time();
+                    let r = a.serve(stop);
+                    *service_cpu.lock().map_err(|_| poisoned())? = thread_cpu_time() - c0;
+                    r
+                });
+                match ready_rx.recv_timeout(Duration::from_secs(20)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => return Err(Error::Timeout { ms: 20_000, what: "the aggregator to start".into() }),
+                }
+                Some(h)
+            } else {
+                None
+            };
+            let mut handles = Vec::new();
+            for &rank in &runners {
+                let (sub, barrier, times, path_used, contributors) =
+                    (&sub, &barrier, &times, &path_used, &contributors);
+                handles.push(s.spawn(move || -> Result<()> {
+                    guarded(barrier, || {
+                        enter_host(sub, rank)?;
+                        let mut c = Collective::new(sub, rank, choice, cfg.clone())?;
+                        if rank == contributors[0] {
+                            *path_used.lock().map_err(|_| poisoned())? = Some(c.path());
+                        }
+                        let data = rank_data(rank, elems);
+                        for it in 0..=iters {
+                            barrier.wait()?;
+                            let c0 = thread_cpu_time();
+                            let t0 = Instant::now();
+                            let res = match kind {
+                                Kind::Reduce => c.reduce(&data, op, agg_rank)?,
+                                Kind::Allreduce => Some(c.allreduce(&data, op)?),
+                            };
+                            let dt = t0.elapsed();
+                            let cpu = thread_cpu_time() - c0;
+                            if it == 0 {
+                                // The checked, untimed operation.
+                                if let Some(r) = &res {
+                                    check(kind, op, contributors, r, elems, rank)?;
+                                }
+                            } else {
+                                times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
+                            }
+                        }
+                        Ok(())
+                    })
+                }));
+            }
+            let mut first_err = None;
+            for h in handles {
+                let r = h.join().map_err(|_| Error::Usage("a benchmark rank panicked".into()))?;
+                if let Err(e) = r {
+                    first_err.get_or_insert(e);
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            if let Some(h) = service {
+                let r = h.join().map_err(|_| Error::Usage("the aggregator panicked".into()))?;
+                if let Err(e) = r {
+                    first_err.get_or_insert(e);
+                }
+            }
+            match first_err {
+                Some(e) => Err(e),
+                None => Ok(()),
+            }
+        })?;
+
+        let times = times.into_inner().map_err(|_| poisoned())?;
+        let path = path_used.into_inner().map_err(|_| poisoned())?.unwrap_or(Path::User);
+        // Per iteration: reduce is done when the root returns; allreduce when
+        // the slowest member does.
+        let mut per_iter: Vec<f64> = (1..=iters)
+            .map(|it| {
+                times
+                    .iter()
+                    .filter(|t| t.1 == it && (kind == Kind::Allreduce || t.0 == agg_rank))
+                    .map(|t| t.2.as_secs_f64())
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        per_iter.sort_by(f64::total_cmp);
+        let mut rates: Vec<f64> = per_iter.iter().map(|&t| (elems * senders) as f64 / t.max(1e-9)).collect();
+        rates.sort_by(f64::total_cmp);
+        let agg_cpu = match kind {
+            Kind::Reduce => times.iter().filter(|t| t.0 == agg_rank).map(|t| t.3).sum::<Duration>(),
+            Kind::Allreduce => service_cpu.into_inner().map_err(|_| poisoned())?,
+        };
+        let sender_cpu: Duration = times.iter().filter(|t| t.0 != agg_rank).map(|t| t.3).sum();
+        let n = iters.max(1) as f64;
+        Ok(AggRecord {
+            kind,
+            path,
+            op: op_name(op),
+            dtype: "i32",
+            senders,
+            bytes: elems * 4,
+            elems,
+            iters,
+            elems_per_s: percentile(&rates, 50.0),
+            p50_ms: percentile(&per_iter, 50.0) * 1e3,
+            p99_ms: percentile(&per_iter, 99.0) * 1e3,
+            aggregator_cpu_ms: agg_cpu.as_secs_f64() * 1e3 / n,
+            sender_cpu_ms: sender_cpu.as_secs_f64() * 1e3 / n / senders.max(1) as f64,
+        })
+    }
+}
+
+impl Drop for AggHarness {
+    fn drop(&mut self) {
+        self.guard.take();
+    }
+}
+
+fn enter_host(group: &Group, rank: u16) -> Result<()> {
+    if let Some(ns) = group.member(rank.into())?.netns.as_deref() {
+        netns::enter(ns)?;
+    }
+    Ok(())
+}
+
+fn poisoned() -> Error {
+    Error::Usage("a benchmark thread panicked while holding a lock".into())
+}
+
+pub fn op_name(op: AggOp) -> &'static str {
+    match op {
+        AggOp::Sum => "sum",
+        AggOp::Count => "count",
+        AggOp::Max => "max",
+        AggOp::Min => "min",
+        AggOp::Avg => "avg",
+    }
+}
+
+pub fn print_agg_row(r: &AggRecord) {
+    println!(
+        "  {:<9} {:<6} senders={:<2} bytes={:<10} {:>8.2} Melem/s  p50={:>9.2}ms p99={:>9.2}ms  aggregator cpu={:>8.2}ms/op sender cpu={:>8.2}ms/op",
+        r.kind.to_string(),
+        r.path.to_string(),
+        r.senders,
+        r.bytes,
+        r.elems_per_s / 1e6,
+        r.p50_ms,
+        r.p99_ms,
+        r.aggregator_cpu_ms,
+        r.sender_cpu_ms
+    );
+}
+
+fn print_agg_ratio(rows: &[AggRecord]) {
+    let k = rows.iter().find(|r| r.path == Path::Kernel);
+    let u = rows.iter().find(|r| r.path == Path::User);
+    if let (Some(k), Some(u)) = (k, u) {
+        println!(
+            "  ratio kernel/user: throughput {:.2}x | p50 time {:.2}x | aggregator cpu {:.2}x | sender cpu {:.2}x",
+            k.elems_per_s / u.elems_per_s,
+            k.p50_ms / u.p50_ms,
+            k.aggregator_cpu_ms / u.aggregator_cpu_ms.max(1e-9),
+            k.sender_cpu_ms / u.sender_cpu_ms.max(1e-9)
+        );
+    }
+}
+
+/// Aggregator CPU under a paced load (`kccl bench cpu`): `senders` ranks
+/// reduce a `bytes` vector to host 0 every `period`, for `duration`.
+pub fn measure_cpu(
+    name: &str,
+    senders: usize,
+    choice: PathChoice,
+    bytes: usize,
+    period: Duration,
+    duration: Duration,
+    cfg: &AggConfig,
+) -> Result<CpuRecord> {
+    let guard = ClusterGuard::up(&ClusterSpec::new(name, senders + 1))?;
+    let group = guard.cluster.group.clone();
+    let agg_ns = group.members[0].netns.clone().ok_or_else(|| Error::Usage("host 0 has no namespace".into()))?;
+    let napi_pid = threaded_napi(&crate::cluster::switch_netns(&guard.cluster.name), "h0", &agg_ns)?;
+    pin(napi_pid, 1)?;
+    let elems = bytes / 4;
+    let ranks: Vec<u16> = group.members.iter().take(senders + 1).map(|m| m.rank).collect();
+    let barrier = Gate::new(ranks.len());
+    let ops = duration.as_secs_f64() / period.as_secs_f64();
+    let nops = (ops.ceil() as usize).max(1);
+    let agg_thread_cpu = Mutex::new(Duration::ZERO);
+    let path_used: Mutex<Option<Path>> = Mutex::new(None);
+    let done_ops = Mutex::new(0usize);
+    let wall = Mutex::new(Duration::ZERO);
+    let napi0 = Arc::new(Mutex::new(0u64));
+    std::thread::scope(|s| -> Result<()> {
+        let mut hs = Vec::new();
+        for &rank in &ranks {
+            let (group, barrier, agg_thread_cpu, path_used, done_ops, wall, napi0, all) =
+                (&group, &barrier, &agg_thread_cpu, &path_used, &done_ops, &wall, &napi0, &ranks);
+            hs.push(s.spawn(move || -> Result<()> {
+                guarded(barrier, || {
+                    enter_host(group, rank)?;
+                    pin(0, if rank == 0 { 1 } else { 0 })?;
+                    let mut c = Collective::new(group, rank, choice, cfg.clone())?;
+                    let data = rank_data(rank, elems);
+                    // One untimed, checked operation; warms both paths up.
+                    barrier.wait()?;
+                    if let Some(r) = c.reduce(&data, AggOp::Sum, 0)? {
+                        check(Kind::Reduce, AggOp::Sum, all, &r, elems, rank)?;
+                    }
+                    barrier.wait()?;
+                    let t0 = Instant::now();
+                    let c0 = thread_cpu_time();
+                    if rank == 0 {
+                        *path_used.lock().map_err(|_| poisoned())? = Some(c.path());
+                        *napi0.lock().map_err(|_| poisoned())? = schedstat_ns(napi_pid)?;
+                    }
+                    for k in 0..nops {
+                        // Paced: operation k starts at k * period.
+                        let due = period * k as u32;
+                        if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                            std::thread::sleep(wait);
+                        }
+                        c.reduce(&data, AggOp::Sum, 0)?;
+                        if rank == 0 {
+                            *done_ops.lock().map_err(|_| poisoned())? += 1;
+                        }
+                    }
+                    if rank == 0 {
+                        *agg_thread_cpu.lock().map_err(|_| poisoned())? = thread_cpu_time() - c0;
+                        *wall.lock().map_err(|_| poisoned())? = t0.elapsed();
+                        let n0 = *napi0.lock().map_err(|_| poisoned())?;
+                        *napi0.lock().map_err(|_| poisoned())? = schedstat_ns(napi_pid)?.saturating_sub(n0);
+                    }
+                    Ok(())
+                })
+            }));
+        }
+        let mut first = None;
+        for h in hs {
+            if let Err(e) = h.join().map_err(|_| Error::Usage("a benchmark rank panicked".into()))? {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    })?;
+    drop(guard);
+    let wall = wall.into_inner().map_err(|_| poisoned())?.as_secs_f64().max(1e-9);
+    let napi = *napi0.lock().map_err(|_| poisoned())? as f64 / 1e9;
+    let thread = agg_thread_cpu.into_inner().map_err(|_| poisoned())?.as_secs_f64();
+    let ops = done_ops.into_inner().map_err(|_| poisoned())?;
+    Ok(CpuRecord {
+        path: path_used.into_inner().map_err(|_| poisoned())?.unwrap_or(Path::User),
+        op: "sum",
+        senders,
+        bytes,
+        offered_mb_s: (senders * bytes) as f64 / period.as_secs_f64() / 1e6,
+        achieved_mb_s: (ops * senders * bytes) as f64 / wall / 1e6,
+        cpu_pct: (napi + thread) / wall * 100.0,
+        napi_cpu_pct: napi / wall * 100.0,
+        thread_cpu_pct: thread / wall * 100.0,
+        ops,
+    })
+}
+
+/// Moves host `ns`'s eth0 receive processing into a threaded NAPI kernel
+/// thread and returns its pid.  GRO on eth0 makes veth use NAPI even without
+/// XDP; the bridge port must not send TSO/GSO skbs, or veth bypasses NAPI.
+fn threaded_napi(switch_ns: &str, port: &str, ns: &str) -> Result<i32> {
+    run("ip", &["netns", "exec", switch_ns, "ethtool", "-K", port, "tso", "off", "gso", "off"])?;
+    run("ip", &["netns", "exec", ns, "ethtool", "-K", "eth0", "gro", "on"])?;
+    let before = napi_threads()?;
+    run("ip", &["netns", "exec", ns, "sh", "-c", "echo 1 > /sys/class/net/eth0/threaded"])?;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let now = napi_threads()?;
+        if let Some(&pid) = now.iter().find(|p| !before.contains(p)) {
+            return Ok(pid);
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Usage(format!(
+                "no threaded NAPI kernel thread appeared for eth0 in {ns} (needs kernel support for /sys/class/net/*/threaded)"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn napi_threads() -> Result<Vec<i32>> {
+    let mut v = Vec::new();
+    let dir = std::fs::read_dir("/proc").map_err(|e| Error::io("listing /proc", e))?;
+    for e in dir.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(comm) = std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+            if comm.starts_with("napi/eth0-") {
+                v.push(pid);
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// CPU time a task has run, in ns (first field of /proc/PID/schedstat).
+fn schedstat_ns(pid: i32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
+        .map_err(|e| Error::io(format!("reading /proc/{pid}/schedstat"), e))?;
+    s.split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| Error::Usage(format!("unexpected /proc/{pid}/schedstat: {s:?}")))
+}
+
+/// Pins task `pid` (0: the calling thread) to `cpu` (if the machine has it).
+fn pin(pid: i32, cpu: usize) -> Result<()> {
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpu = cpu.min(ncpu - 1);
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(Error::last_os(format!("pinning task {pid} to CPU {cpu}")));
+        }
+    }
+    Ok(())
+}
+
+fn run(cmd: &str, args: &[&str]) -> Result<()> {
+    let out =
+        std::process::Command::new(cmd).args(args).output().map_err(|e| Error::io(format!("running {cmd}"), e))?;
+    if !out.status.success() {
+        return Err(Error::Usage(format!(
+            "`{cmd} {}` failed: {} (make setup installs ethtool)",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
