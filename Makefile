@@ -13,7 +13,7 @@ setup:
 build: setup
 	$(CARGO) build --release --workspace
 
-# Builds, makes a 10-host virtual cluster, broadcasts through both paths, compares, tears down.
+# Builds, makes a 10-host virtual cluster, broadcasts and allreduces through both paths, compares, tears down.
 demo: build
 	$(SUDO) $(KCCL) demo
 
@@ -30,6 +30,9 @@ lint:
 bench-smoke: build
 	mkdir -p bench-out
 	$(SUDO) $(KCCL) bench broadcast --smoke --json bench-out/broadcast-smoke.json --plot bench-out/broadcast-smoke.png
+	$(SUDO) $(KCCL) bench reduce --smoke --json bench-out/reduce-smoke.json --plot bench-out/reduce-smoke.png
+	$(SUDO) $(KCCL) bench allreduce --smoke --json bench-out/allreduce-smoke.json --plot bench-out/allreduce-smoke.png
+	$(SUDO) $(KCCL) bench cpu --smoke --json bench-out/cpu-smoke.json --plot bench-out/cpu-smoke.png
 
 clean:
 	$(CARGO) clean

@@ -59,9 +59,11 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 256 * 1024);
+	__uint(max_entries, 4 * 1024 * 1024);
 } miss_events SEC(".maps");
 
+/* 4 MiB: one sendmmsg batch (1024 fragments x 64 ranks) of 16-byte events
+ * plus ring headers fits, so a batch never loses a miss report. */
 /* Anchors: make the shared types part of the skeleton so the runtime uses
  * generated definitions (checked by its tests), not hand copies. */
 struct kccl_hdr kccl_hdr_layout;

@@ -1,13 +1,17 @@
 //! `kccl demo`: a 10-host virtual cluster, broadcast from host 0 to the other
 //! 9 through the kernel path and the user-space path, every byte checked,
-//! latency and sender CPU compared, cluster torn down.  Without root it runs
+//! latency and sender CPU compared, cluster torn down; then an allreduce
+//! across a fresh cluster through both paths, every element checked.  Without root it runs
 //! the user-space path on loopback and says why the kernel path is off.
 
 use std::net::Ipv4Addr;
+use std::time::Duration;
 
 use clap::Args;
+use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
 use kccl::bench::{BcastHarness, BcastRecord};
+use kccl::bench_agg::{AggHarness, Kind};
 use kccl::cluster;
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
@@ -21,7 +25,13 @@ pub struct DemoArgs {
     /// Timed broadcasts per path.
     #[arg(long, default_value_t = 500)]
     iters: usize,
+    /// Timed allreduce operations per size and path.
+    #[arg(long, default_value_t = 5)]
+    agg_iters: usize,
 }
+
+/// Bytes of each member's allreduce vector.
+const AGG_SIZES: &[usize] = &[65_536, 4 << 20];
 
 /// Message sizes checked byte for byte on each path (one packet to many).
 const CHECK_SIZES: &[usize] = &[0, 1, 1432, 1433, 100_000, 4 << 20];
@@ -56,6 +66,28 @@ pub fn run(a: DemoArgs) -> Result<()> {
         h.measure(b, &paths, receivers, kccl::wire::MAX_UDP_PAYLOAD_1500, a.iters)
     })?;
     crate::print_rows(&rows);
+    drop(h);
+    if is_root() {
+        println!("== cluster torn down");
+    }
+    allreduce(receivers, a.agg_iters)
+}
+
+/// An allreduce (int32 SUM) of every sender's vector through an aggregator
+/// host, on both paths: host 0 aggregates (its kernel path: XDP + TC only),
+/// the other hosts contribute; every member's result is checked element by
+/// element before anything is timed.
+fn allreduce(senders: usize, iters: usize) -> Result<()> {
+    let (h, paths) = if is_root() {
+        println!("== allreduce: creating a {}-host virtual cluster (host 0 aggregates)", senders + 1);
+        (AggHarness::new(&cluster::unique_name("demoagg"), senders)?, vec![PathChoice::Kernel, PathChoice::User])
+    } else {
+        println!("== allreduce on loopback, user-space path only (not root)");
+        (AggHarness::on_group(loopback_group(senders + 1)), vec![PathChoice::User])
+    };
+    println!("== allreduce of int32 vectors across {senders} senders, {iters} timed operations per size and path");
+    let cfg = AggConfig { deadline: Duration::from_secs(30), ..AggConfig::default() };
+    h.measure(Kind::Allreduce, AggOp::Sum, senders, &paths, AGG_SIZES, iters, &cfg)?;
     drop(h);
     if is_root() {
         println!("== cluster torn down");
