@@ -249,9 +249,8 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     }
     let op: AggOp = a.op.parse()?;
     let h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
-    let mut cfg = AggConfig::default();
     // Large vectors: allow for the 2-core machine being slow under load.
-    cfg.deadline = Duration::from_secs(60);
+    let cfg = AggConfig { deadline: Duration::from_secs(60), ..AggConfig::default() };
     println!("== {kind} of int32 vectors, {} senders, kernel vs user path", a.senders);
     let rows: Vec<AggRecord> =
         h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;
@@ -292,7 +291,13 @@ pub fn bench_cpu(mut a: BenchCpuArgs) -> Result<()> {
         a.senders = vec![2];
         a.seconds = 0.5;
     }
-    if a.bytes == 0 || a.bytes % 4 != 0 || !(a.period_ms > 0.0) || !(a.seconds > 0.0) {
+    if a.bytes == 0
+        || a.bytes % 4 != 0
+        || a.period_ms.is_nan()
+        || a.period_ms <= 0.0
+        || a.seconds.is_nan()
+        || a.seconds <= 0.0
+    {
         return Err(Error::Usage(
             "--bytes must be a positive multiple of 4, --period-ms and --seconds positive".into(),
         ));

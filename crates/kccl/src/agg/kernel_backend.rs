@@ -55,7 +55,7 @@ impl KernelBackend {
                 op_id: r.op_id,
                 frag_off: r.frag_off,
                 msg_len: r.msg_len,
-                payload_len: r.payload_len as u16,
+                payload_len: r.payload_len,
                 agg_op: r.agg_op,
                 dtype: r.dtype,
                 // u8 in struct kccl_agg_record; u8::from also takes a bool.

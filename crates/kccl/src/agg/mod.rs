@@ -274,6 +274,8 @@ pub struct SendReport {
 
 /// Aggregator backends behind one interface: user space always, the kernel
 /// when built with `kernel-agg` and loaded.
+// One backend per member, built once and never moved on a hot path.
+#[allow(clippy::large_enum_variant)]
 enum AggBackend {
     User(UserAggregator),
     #[cfg(feature = "kernel-agg")]
