@@ -11,7 +11,9 @@
 //!   `kccl receive` entering its member's namespace by itself), over both
 //!   paths;
 //! - as user `nobody`: `--path auto` falls back because it is not root,
-//!   `--path kernel` fails saying root is needed.
+//!   `--path kernel` fails saying root is needed;
+//! - `kccl reduce` / `kccl allreduce` / `kccl aggregator` end to end in a
+//!   4-host cluster over both paths, results compared with the sums.
 //!
 //! Tests that need root print `SKIPPED <test>: <reason>` without it.
 
@@ -604,4 +606,96 @@ fn aggregator_command() {
         bad.push(format!("aggregator output: {}", err_of(&o)));
     }
     assert_clean("aggregator_command", bad);
+}
+
+/// Spawns `kccl ARGS` with piped output (a member of a collective).
+fn spawn(args: &[&str]) -> Child {
+    Command::new(KCCL).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning kccl")
+}
+
+fn le_i32(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `kccl reduce` and `kccl allreduce` as a user runs them: one process per
+/// member of a 4-host cluster, each with its own input file; the root's (or
+/// every member's) `--out` file must be the element-wise sum, on both paths.
+///
+/// ```text
+///   h0 (root / member) ─┐
+///   h1 ─────────────────┼── br0 (kccl-<name>-sw)
+///   h2 ─────────────────┤
+///   h3 (allreduce aggregator: `kccl aggregator`) ─┘
+/// ```
+#[test]
+fn reduce_and_allreduce_through_the_cli() {
+    let test = "reduce_and_allreduce_through_the_cli";
+    if !is_root() {
+        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+        return;
+    }
+    let name = kccl::cluster::unique_name("clia");
+    let dir = Scratch::new("agg-e2e");
+    let n = 3000; // three chunks of 358 int32 and a partial one
+    let data: Vec<Vec<i32>> =
+        (0..4).map(|r| (0..n).map(|i| (i as i32 * 7 + r * 1000) % 2001 - 1000).collect()).collect();
+    let inputs: Vec<PathBuf> = (0..4).map(|r| dir.write(&format!("in{r}.bin"), le_i32(&data[r]))).collect();
+    let sum = |ranks: &[usize]| -> Vec<u8> {
+        le_i32(&(0..n).map(|i| ranks.iter().map(|&r| data[r][i]).sum()).collect::<Vec<i32>>())
+    };
+    let mut problems = Vec::new();
+    let _down = ClusterDown(name.clone());
+    let o = run(&["cluster", "up", "--hosts", "4", "--name", &name]);
+    assert!(o.status.success(), "kccl cluster up: {}", err_of(&o));
+    let g = kccl::cluster::group_path(&name);
+    let text = fs::read_to_string(&g).expect("reading the group file");
+    let ga = dir.write("with-aggregator.toml", format!("aggregator = 3\n{text}"));
+    for path in ["kernel", "user"] {
+        // reduce to rank 0 of all four members.
+        let out = dir.path(&format!("reduce-{path}.bin"));
+        let mut kids = Vec::new();
+        for r in 0..4 {
+            let rank = r.to_string();
+            let mut args = vec!["reduce", "--group", s(&g), "--rank", &rank, "--root", "0", "--path", path];
+            args.extend(["--input", s(&inputs[r])]);
+            if r == 0 {
+                args.extend(["--out", s(&out)]);
+            }
+            kids.push(spawn(&args));
+        }
+        for (r, k) in kids.into_iter().enumerate() {
+            let o = k.wait_with_output().expect("waiting for kccl reduce");
+            if !o.status.success() {
+                problems.push(format!("{path}: reduce rank {r} exit {:?}: {}", o.status.code(), err_of(&o)));
+            } else if r == 0 && !String::from_utf8_lossy(&o.stdout).contains("reduce SUM at root 0: 3000 elements") {
+                problems.push(format!("{path}: root output: {}", String::from_utf8_lossy(&o.stdout)));
+            }
+        }
+        check_file(&mut problems, &format!("{path}: reduce result"), &out, &sum(&[0, 1, 2, 3]));
+
+        // allreduce of ranks 0..2 through aggregator rank 3.
+        let agg = spawn(&["aggregator", "--group", s(&ga), "--rank", "3", "--path", path, "--seconds", "30"]);
+        let mut kids = Vec::new();
+        let outs: Vec<PathBuf> = (0..3).map(|r| dir.path(&format!("allreduce-{path}-{r}.bin"))).collect();
+        for r in 0..3 {
+            let rank = r.to_string();
+            let args = ["allreduce", "--group", s(&ga), "--rank", &rank, "--path", path, "--input", s(&inputs[r])];
+            let mut args = args.to_vec();
+            args.extend(["--out", s(&outs[r])]);
+            kids.push(spawn(&args));
+        }
+        for (r, k) in kids.into_iter().enumerate() {
+            let o = k.wait_with_output().expect("waiting for kccl allreduce");
+            if !o.status.success() {
+                problems.push(format!("{path}: allreduce rank {r} exit {:?}: {}", o.status.code(), err_of(&o)));
+            }
+        }
+        let mut agg = agg;
+        let _ = agg.kill();
+        let _ = agg.wait();
+        for (r, out) in outs.iter().enumerate() {
+            check_file(&mut problems, &format!("{path}: allreduce result at rank {r}"), out, &sum(&[0, 1, 2]));
+        }
+    }
+    assert_clean(test, problems);
 }
