@@ -225,6 +225,9 @@ struct agg_scratch {
 	 * checks narrow a copy the verifier does not link to anything used
 	 * after the loop (else every exit iteration is a new state). */
 	__u32 nblk;
+	/* The element count for after the lock (a local would be recomputed
+	 * there from the width, making it live across the loops). */
+	__u32 nelem;
 	/* The chunk's payload, big-endian, zero-filled to a block boundary
 	 * (the fill writes BLK_BYTES at payload_len). */
 	__u8 buf[KCCL_AGG_MAX_PAYLOAD + BLK_BYTES] __attribute__((aligned(8)));
@@ -323,8 +326,8 @@ static __always_inline void w4_loop(struct kccl_agg_slot *s, struct agg_scratch 
 	}
 }
 
-/* int32 saturation of r; *sat |= ~0 if it saturated */
-static __always_inline __u64 sat32(__s64 r, __s64 *sat)
+/* r saturated to int32 */
+static __always_inline __s64 sat32(__s64 r)
 {
 	__s64 hi, hm, lo, lm;
 
@@ -335,13 +338,12 @@ static __always_inline __u64 sat32(__s64 r, __s64 *sat)
 	lo = r - S32_MIN;
 	lm = lo >> 63;			/* ~0 if r < S32_MIN */
 	OPAQUE(lm);
-	r -= lo & lm;
-	*sat |= hm | lm;
-	return (__u32)r;
+	return r - (lo & lm);
 }
 
 /* Width-4 write-back: the accumulators saturated to int32, big-endian, into
- * sc->buf (what an allreduce result carries); ELEM_SAT into sc->res. */
+ * sc->buf (what an allreduce result carries); ELEM_SAT into sc->res.  A
+ * block is clamped only if one of its values is out of range. */
 static __always_inline void w4_write(struct kccl_agg_slot *s, struct agg_scratch *sc)
 {
 	__u32 nb = GET(sc, nblk), b;
@@ -351,14 +353,25 @@ static __always_inline void w4_write(struct kccl_agg_slot *s, struct agg_scratch
 	*(volatile __s64 *)&sc->flag = 0;
 #pragma clang loop unroll(disable)
 	for (b = 0; b < NBLK; b++) {
-		__s64 sat = 0;
+		__s64 r[BLK_W4];
+		__u64 out = 0;
 
 		if (b >= nb)
 			break;
 #pragma unroll
+		for (int j = 0; j < BLK_W4; j++) {
+			r[j] = a[j];
+			out |= ((__u64)r[j] + 0x80000000ULL) >> 32;	/* != 0: out of range */
+		}
+		if (out) {
+			*(volatile __s64 *)&sc->flag = 1;
+#pragma unroll
+			for (int j = 0; j < BLK_W4; j++)
+				r[j] = sat32(r[j]);
+		}
+#pragma unroll
 		for (int j = 0; j < BLK_W4 / 2; j++)
-			q[j] = __builtin_bswap64(sat32(a[2 * j], &sat) << 32 | sat32(a[2 * j + 1], &sat));
-		*(volatile __s64 *)&sc->flag |= sat;
+			q[j] = __builtin_bswap64((__u64)r[2 * j] << 32 | (__u32)r[2 * j + 1]);
 		q += BLK_W4 / 2;
 		a += BLK_W4;
 	}
@@ -825,6 +838,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	PUT(sc, nblk, (len + BLK_BYTES - 1) / BLK_BYTES);
 	PUT(sc, op, c.op);
 	PUT(sc, esize, esize);
+	PUT(sc, nelem, nelem);
 	/* No helper calls under the lock: read the clock before. */
 	c.now = bpf_ktime_get_ns();
 
@@ -874,7 +888,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	}
 
 	/* Reduce completion or retry: record to the ring, then the ACK. */
-	r = deliver(s, c.op_id, c.pay_len, c.msg_len, nelem);
+	r = deliver(s, c.op_id, c.pay_len, c.msg_len, GET(sc, nelem));
 	bpf_spin_lock(&s->lock);
 	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
 	bpf_spin_unlock(&s->lock);
