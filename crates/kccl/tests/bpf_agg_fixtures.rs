@@ -729,6 +729,33 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
     {
+        // The element loops work on 24-byte blocks of a scratch copy of the
+        // payload, zero-filled past its end: what a longer earlier packet
+        // left in the scratch buffer (here int32::MAX everywhere) must not
+        // leak into a short chunk's result (as a saturation or an overflow).
+        let (big, short32, short64) = (ids.alloc(d, &[0]), ids.alloc(d, &[0]), ids.alloc(d, &[0]));
+        let filler = Contrib::new(1, big, SUM, I32, &ranks, &[i64::from(i32::MAX); 358]).allreduce();
+        let c32: Vec<Contrib> = [(1u16, 7i64), (2, -2)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, short32, SUM, I32, &[1, 2], &[v]).allreduce())
+            .collect();
+        let c64: Vec<Contrib> = [(1u16, 1i64 << 40), (2, -3)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, short64, SUM, I64, &[1, 2], &[v]).allreduce())
+            .collect();
+        let mut f = Fixture::new("short chunks after a full one: no stale scratch bytes in the result", d);
+        f.drop(&filler).drop(&c32[0]).pass(&c32[1], c32[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[5])));
+        f.drop(&filler).drop(&c64[0]);
+        f.pass(&c64[1], c64[1].answer(T_AGG_RESULT, false, 0b110, encode(I64, &[(1 << 40) - 3])));
+        f.stats = stats(|s| {
+            s.pkts = 5;
+            s.dup = 1;
+            s.chunks_done = 2;
+            s.results = 2;
+        });
+        t.push(f);
+    }
+    {
         let op_id = ids.alloc(d, &[0]);
         let v = [vec![i64::MAX, -5], vec![1, 5]];
         let c: Vec<Contrib> =
