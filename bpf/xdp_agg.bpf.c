@@ -64,33 +64,35 @@
  * combine runs under bpf_spin_lock, where no helper may be called, so
  * bpf_loop (a helper) is impossible there, and a tail call cannot be made
  * while holding the lock either (it could only split the program after the
- * unlock, which buys nothing: one program fits the verifier's budget).  One
- * loop per element width (4 bytes: I32/F32Q, up to KCCL_AGG_MAX_ELEMS = 858
- * iterations; 8 bytes: I64, up to 429) combines, and writes the int32-
- * saturated / int64 results back in the same pass; the retransmission answer
- * of a finished allreduce chunk runs the same loop in read-only mode.  The
- * verifier walks every iteration (the index is a constant per walk), so what
- * it costs is iterations x body x walks, and four things keep it to about
- * 340k of the 1M processed instructions (the number is printed by the
- * fixtures: AggEngine::verified_insns):
+ * unlock, which buys nothing: one program fits the verifier's budget).  The
+ * loops are specialised per element width (4 bytes: I32/F32Q, up to
+ * KCCL_AGG_MAX_ELEMS = 858; 8 bytes: I64, up to 429) and per op and mode
+ * (store, store (v != 0), add, count, max, min), so the common SUM combine is
+ * a plain load, byte swap, add; the int32-saturated / int64 results are
+ * written back by a separate pass that only allreduce answers run (also the
+ * read-only answer of a finished chunk).  An iteration handles a block of 24
+ * payload bytes (6 int32, loaded two at a time, or 3 int64).  The verifier
+ * walks every iteration (the index is a constant per walk), so what it costs
+ * is iterations x body x walks, summed over the loops; these keep it to
+ * about 280k of the 1M processed instructions (printed by the fixtures:
+ * AggEngine::verified_insns):
  *  - the payload is copied (bpf_xdp_load_bytes, before the lock) into a
  *    per-CPU scratch buffer and written back with bpf_xdp_store_bytes: a
  *    per-element packet bounds check would grow the packet range with every
  *    iteration, so no two loop exits would be equivalent states;
- *  - the loop bodies are branch-free (0/~0 masks select SUM/COUNT/MAX/MIN,
- *    first store, read-only, saturation; OPAQUE keeps clang from turning
- *    them back into jumps), so one walk is one path;
- *  - the masks, the element count and the locked section's decision live in
- *    the scratch map and are loaded (volatile) from there: the verifier knows
- *    nothing about map contents, so the paths reach a loop in equivalent
- *    states and it is walked a couple of times (measured) instead of once
- *    per combination of op, mode and decision constants;
- *  - the element count the loop compares against is such a fresh load, not
- *    the count used after the loop, so the bound checks do not make every
- *    exit iteration a distinct state for the code after the loop.
- * The alternative of several elements per iteration changes nothing (the
- * cost is instructions per element); capping the elements per program was
- * not needed.
+ *  - the loop bodies have no jumps but the block bound checks and one
+ *    per-block range check in the int32 write-back (MAX/MIN and saturation
+ *    use 0/~0 masks; OPAQUE keeps clang from turning them into jumps), and
+ *    the saturation/overflow masks accumulate in scratch memory, not in a
+ *    register the verifier would track;
+ *  - the op, width, block and element counts and the locked section's
+ *    decision live in the scratch map and are loaded (volatile) from there:
+ *    the verifier knows nothing about map contents, so the paths reach each
+ *    loop in equivalent states and it is walked a couple of times (measured)
+ *    instead of once per combination of op, mode and decision constants;
+ *  - the block count a loop compares against is such a fresh load, not a
+ *    count used after the loop, so the bound checks do not make every exit
+ *    iteration a distinct state for the code after the loop.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -178,10 +180,10 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 
 /*
  * Hides a value from the optimizer.  The loop bodies below are branch-free
- * (every operation is selected with 0 / ~0 masks): the BPF backend turns
- * selects into jumps, and every jump inside a loop that the verifier walks
- * up to 858 times multiplies its work; clang would rebuild selects from mask
- * arithmetic whose operands it can see are 0 or ~0.
+ * (MAX/MIN, (v != 0) and saturation are computed with 0 / ~0 masks): the BPF
+ * backend turns selects into jumps, and every jump inside a loop that the
+ * verifier walks up to 143 times adds to its work; clang would rebuild
+ * selects from mask arithmetic whose operands it can see are 0 or ~0.
  */
 #define OPAQUE(x)	asm volatile("" : "+r"(x))
 
