@@ -64,33 +64,35 @@
  * combine runs under bpf_spin_lock, where no helper may be called, so
  * bpf_loop (a helper) is impossible there, and a tail call cannot be made
  * while holding the lock either (it could only split the program after the
- * unlock, which buys nothing: one program fits the verifier's budget).  One
- * loop per element width (4 bytes: I32/F32Q, up to KCCL_AGG_MAX_ELEMS = 858
- * iterations; 8 bytes: I64, up to 429) combines, and writes the int32-
- * saturated / int64 results back in the same pass; the retransmission answer
- * of a finished allreduce chunk runs the same loop in read-only mode.  The
- * verifier walks every iteration (the index is a constant per walk), so what
- * it costs is iterations x body x walks, and four things keep it to about
- * 340k of the 1M processed instructions (the number is printed by the
- * fixtures: AggEngine::verified_insns):
+ * unlock, which buys nothing: one program fits the verifier's budget).  The
+ * loops are specialised per element width (4 bytes: I32/F32Q, up to
+ * KCCL_AGG_MAX_ELEMS = 858; 8 bytes: I64, up to 429) and per op and mode
+ * (store, store (v != 0), add, count, max, min), so the common SUM combine is
+ * a plain load, byte swap, add; the int32-saturated / int64 results are
+ * written back by a separate pass that only allreduce answers run (also the
+ * read-only answer of a finished chunk).  An iteration handles a block of 24
+ * payload bytes (6 int32, loaded two at a time, or 3 int64).  The verifier
+ * walks every iteration (the index is a constant per walk), so what it costs
+ * is iterations x body x walks, summed over the loops; these keep it to
+ * about 280k of the 1M processed instructions (printed by the fixtures:
+ * AggEngine::verified_insns):
  *  - the payload is copied (bpf_xdp_load_bytes, before the lock) into a
  *    per-CPU scratch buffer and written back with bpf_xdp_store_bytes: a
  *    per-element packet bounds check would grow the packet range with every
  *    iteration, so no two loop exits would be equivalent states;
- *  - the loop bodies are branch-free (0/~0 masks select SUM/COUNT/MAX/MIN,
- *    first store, read-only, saturation; OPAQUE keeps clang from turning
- *    them back into jumps), so one walk is one path;
- *  - the masks, the element count and the locked section's decision live in
- *    the scratch map and are loaded (volatile) from there: the verifier knows
- *    nothing about map contents, so the paths reach a loop in equivalent
- *    states and it is walked a couple of times (measured) instead of once
- *    per combination of op, mode and decision constants;
- *  - the element count the loop compares against is such a fresh load, not
- *    the count used after the loop, so the bound checks do not make every
- *    exit iteration a distinct state for the code after the loop.
- * The alternative of several elements per iteration changes nothing (the
- * cost is instructions per element); capping the elements per program was
- * not needed.
+ *  - the loop bodies have no jumps but the block bound checks and one
+ *    per-block range check in the int32 write-back (MAX/MIN and saturation
+ *    use 0/~0 masks; OPAQUE keeps clang from turning them into jumps), and
+ *    the saturation/overflow masks accumulate in scratch memory, not in a
+ *    register the verifier would track;
+ *  - the op, width, block and element counts and the locked section's
+ *    decision live in the scratch map and are loaded (volatile) from there:
+ *    the verifier knows nothing about map contents, so the paths reach each
+ *    loop in equivalent states and it is walked a couple of times (measured)
+ *    instead of once per combination of op, mode and decision constants;
+ *  - the block count a loop compares against is such a fresh load, not a
+ *    count used after the loop, so the bound checks do not make every exit
+ *    iteration a distinct state for the code after the loop.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -178,42 +180,59 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 
 /*
  * Hides a value from the optimizer.  The loop bodies below are branch-free
- * (every operation is selected with 0 / ~0 masks): the BPF backend turns
- * selects into jumps, and every jump inside a loop that the verifier walks
- * up to 858 times multiplies its work; clang would rebuild selects from mask
- * arithmetic whose operands it can see are 0 or ~0.
+ * (MAX/MIN, (v != 0) and saturation are computed with 0 / ~0 masks): the BPF
+ * backend turns selects into jumps, and every jump inside a loop that the
+ * verifier walks up to 143 times adds to its work; clang would rebuild
+ * selects from mask arithmetic whose operands it can see are 0 or ~0.
  */
 #define OPAQUE(x)	asm volatile("" : "+r"(x))
 
-/* Masks (0 or ~0) steering one pass over a chunk's elements. */
-struct elem_ctl {
-	__s64 count;		/* COUNT: v -> (v != 0) */
-	__s64 add;		/* SUM, AVG, COUNT: acc + v (else MAX/MIN) */
-	__s64 min;		/* MIN (else MAX) */
-	__s64 nstore;		/* ~store: keep the slot's accumulator as the left operand */
-	__s64 store_nadd;	/* store and not add: the left operand is v (MAX(v,v) = v) */
-	__s64 keep;		/* read only: the accumulator stays as it is */
-	__s64 ovf;		/* add and not keep: I64 overflow detection on */
-	__s64 write;		/* write the accumulators into the packet */
-};
+/*
+ * The loops work on blocks of BLK_BYTES payload bytes (6 int32 or 3 int64
+ * elements): 6 and 3 divide KCCL_AGG_MAX_ELEMS (858) and 429, so the last
+ * block of any payload ends inside the slot's acc[] and the scratch buffer.
+ * The scratch copy of the payload is zero-filled up to the end of its last
+ * block, so the elements past the payload (up to 5) are zeros: every
+ * contribution of a chunk has the same length (else MISMATCH), so the
+ * accumulators past it hold 0 after the store and keep it (0 + 0, 0 != 0 is
+ * 0, MAX/MIN(0, 0)): no saturation or overflow comes from them, and nothing
+ * reads them (records and answers carry payload_len bytes).
+ */
+#define BLK_BYTES	24
+#define BLK_W4		(BLK_BYTES / 4)
+#define BLK_W8		(BLK_BYTES / 8)
+#define NBLK		(KCCL_AGG_MAX_PAYLOAD / BLK_BYTES)	/* 143 */
+
+_Static_assert(KCCL_AGG_MAX_PAYLOAD % BLK_BYTES == 0, "blocks tile the largest payload");
 
 /*
- * The masks live in a per-CPU scratch map and the loops load them from there
- * (volatile): the verifier knows nothing about map contents, so every path
- * reaches a loop with the same unknown masks and the loop is walked once,
- * not once per combination of op and mode that the masks encode.
+ * Per-CPU scratch memory of the program.  The loops load their block count
+ * and the dispatch its selectors from here (volatile): the verifier knows
+ * nothing about map contents, so every path reaches a loop in the same state
+ * and each loop is walked about once, not once per combination of the
+ * path-dependent constants the values would otherwise be.
  */
 struct agg_scratch {
-	struct elem_ctl ctl;
 	/* What the locked section decided (enum below, ACT_*): kept here, not
-	 * in locals, for the same reason as the masks: path-dependent constants
-	 * live across a loop make the verifier walk it once per combination. */
+	 * in locals, for the same reason: path-dependent constants live across
+	 * a loop make the verifier walk it once per combination. */
 	__u32 act, why, mode, write, reclaimed, ovf;
-	/* Element count of the loops: loaded from here so that the loop's
-	 * bound checks narrow a copy the verifier does not link to the count
-	 * used after the loop (else every exit iteration is a new state). */
+	__u32 op, esize;	/* the loop selectors */
+	__u32 res;		/* ELEM_OVF | ELEM_SAT of the loops */
+	/* The loops' sign-bit accumulators (saturation, overflow), in memory
+	 * per block: in a register, the verifier tracks them (0 or ~0 after
+	 * some iteration) and walks a loop once per combination. */
+	__s64 flag;
+	/* Blocks of the loops: loaded from here so that the loop's bound
+	 * checks narrow a copy the verifier does not link to anything used
+	 * after the loop (else every exit iteration is a new state). */
+	__u32 nblk;
+	/* The element count for after the lock (a local would be recomputed
+	 * there from the width, making it live across the loops). */
 	__u32 nelem;
-	__u8 buf[KCCL_AGG_MAX_PAYLOAD];	/* the chunk's payload, big-endian */
+	/* The chunk's payload, big-endian, zero-filled to a block boundary
+	 * (the fill writes BLK_BYTES at payload_len). */
+	__u8 buf[KCCL_AGG_MAX_PAYLOAD + BLK_BYTES] __attribute__((aligned(8)));
 };
 
 #define PUT(sc, f, v)	(*(volatile __u32 *)&(sc)->f = (v))
@@ -226,119 +245,260 @@ struct {
 	__type(value, struct agg_scratch);
 } agg_scratch SEC(".maps");
 
-static __always_inline void elem_ctl_init(struct elem_ctl *c, __u32 op, __u32 mode, bool write)
-{
-	__s64 store = -(__s64)(mode == ELEM_STORE);
-	__s64 keep = -(__s64)(mode == ELEM_NONE);
-	__s64 add = -(__s64)(op == KCCL_OP_SUM || op == KCCL_OP_AVG || op == KCCL_OP_COUNT);
-
-	*(volatile __s64 *)&c->count = -(__s64)(op == KCCL_OP_COUNT);
-	*(volatile __s64 *)&c->add = add;
-	*(volatile __s64 *)&c->min = -(__s64)(op == KCCL_OP_MIN);
-	*(volatile __s64 *)&c->nstore = ~store;
-	*(volatile __s64 *)&c->store_nadd = store & ~add;
-	*(volatile __s64 *)&c->keep = keep;
-	*(volatile __s64 *)&c->ovf = add & ~keep;
-	*(volatile __s64 *)&c->write = -(__s64)write;
-}
-
-#define CTL(c, f)	(*(volatile __s64 *)&(c)->f)
-
 /* x if m == ~0, y if m == 0 */
 #define SEL(m, x, y)	((y) ^ (((x) ^ (y)) & (m)))
 
-/* (v != 0) without a branch */
-static __always_inline __s64 nonzero(__s64 v)
+/* What a loop does to an accumulator a with the element v (compile-time
+ * constants: every loop is specialised). */
+#define K_STORE		0	/* a = v */
+#define K_STORE_COUNT	1	/* a = (v != 0) */
+#define K_ADD		2	/* SUM, AVG: a + v */
+#define K_COUNT		3	/* a + (v != 0) */
+#define K_MAX		4
+#define K_MIN		5
+
+/* 1 if x != 0 for x < 2^32 (OPAQUE: clang would make a compare of it). */
+static __always_inline __s64 nz32(__u64 x)
 {
-	__s64 t = v | -v;
+	OPAQUE(x);
+	return (x + 0xffffffffULL) >> 32;
+}
+
+/* 1 if x != 0 */
+static __always_inline __s64 nz64(__u64 x)
+{
+	__u64 t = x | -x;
 
 	OPAQUE(t);
-	return (__u64)t >> 63;
+	return t >> 63;
+}
+
+/* Int32 operands (sums of at most 64 int32: |x| < 2^37): v - a cannot
+ * overflow, MAX/MIN use its sign. */
+static __always_inline __s64 comb_w4(const int k, __s64 a, __s64 v)
+{
+	__s64 d = v - a, m = d >> 63;	/* ~0 if v < a */
+
+	if (k == K_STORE || k == K_STORE_COUNT)
+		return v;
+	if (k == K_ADD || k == K_COUNT)
+		return a + v;
+	OPAQUE(m);
+	if (k == K_MAX)
+		return a + (d & ~m);
+	return a + (d & m);
 }
 
 /*
- * Width-4 elements (I32, F32Q): one pass over the n big-endian values in
- * sc->buf, combining them into s->rec.acc (or not: keep) and leaving in
- * sc->buf the accumulators saturated to int32, big-endian (what an allreduce
- * result carries).  Runs under the slot's lock: no helper calls.  Operands
- * are int32 or sums of at most 64 of them (|x| < 2^37), so v - a cannot
- * overflow and MAX/MIN/saturation use its sign.
+ * Width-4 elements (I32, F32Q): combines the nblk blocks of big-endian int32
+ * in sc->buf into s->rec.acc (k: the op and mode).  Two elements are loaded
+ * at a time: one 64-bit load and byte swap, the high half is the first.
+ * Runs under the slot's lock: no helper calls.
  */
-static __always_inline __u32 elems_w4(struct kccl_agg_slot *s, struct agg_scratch *sc)
+static __always_inline void w4_loop(struct kccl_agg_slot *s, struct agg_scratch *sc, const int k)
 {
-	__u32 n = GET(sc, nelem);
-	struct elem_ctl *c = &sc->ctl;
-	__s64 count = CTL(c, count), add = CTL(c, add), min = CTL(c, min), nstore = CTL(c, nstore);
-	__s64 store_nadd = CTL(c, store_nadd), keep = CTL(c, keep), write = CTL(c, write), sat = 0;
-	__u32 i;
+	__u32 nb = GET(sc, nblk), b;
+	__u64 *q = (__u64 *)sc->buf;
+	__s64 *a = s->rec.acc;
 
 #pragma clang loop unroll(disable)
-	for (i = 0; i < KCCL_AGG_MAX_ELEMS; i++) {
-		__u32 *p = (__u32 *)sc->buf + i;
-		__s64 v, a, a0, r, d, neg, hi, hm, lo, lm;
-
-		if (i >= n)
+	for (b = 0; b < NBLK; b++) {
+		if (b >= nb)
 			break;
-		v = (__s32)bpf_ntohl(*p);
-		v = SEL(count, nonzero(v), v);
-		a0 = s->rec.acc[i];
-		a = (a0 & nstore) | (v & store_nadd);
-		d = v - a;
-		neg = d >> 63;			/* ~0 if v < a */
-		OPAQUE(neg);
-		d &= neg;
-		r = SEL(min, a + d, v - d);	/* MIN: a + min(d, 0); MAX: v - min(d, 0) */
-		r = SEL(add, a + v, r);
-		r = SEL(keep, a0, r);
-		s->rec.acc[i] = r;
+#pragma unroll
+		for (int j = 0; j < BLK_W4 / 2; j++) {
+			__u64 w = q[j];
+			__s64 x0, x1;
 
-		hi = S32_MAX - r;
-		hm = hi >> 63;			/* ~0 if r > S32_MAX */
-		OPAQUE(hm);
-		r += hi & hm;
-		lo = r - S32_MIN;
-		lm = lo >> 63;			/* ~0 if r < S32_MIN */
-		OPAQUE(lm);
-		r -= lo & lm;
-		sat |= hm | lm;
-		*p = bpf_htonl((__u32)r);
+			if (k == K_STORE_COUNT || k == K_COUNT) {
+				/* (v != 0) needs no byte swap: the first
+				 * element is the low half of the LE load */
+				x0 = nz32(w & 0xffffffffULL);
+				x1 = nz32(w >> 32);
+			} else {
+				w = __builtin_bswap64(w);
+				x0 = (__s64)w >> 32;
+				x1 = (__s64)(w << 32) >> 32;
+			}
+			a[2 * j] = comb_w4(k, a[2 * j], x0);
+			a[2 * j + 1] = comb_w4(k, a[2 * j + 1], x1);
+		}
+		q += BLK_W4 / 2;
+		a += BLK_W4;
 	}
-	return (sat & write) ? ELEM_SAT : 0;
 }
 
-/* Width-8 elements (I64): the same over the full int64 range; signed
- * comparison and SUM/AVG overflow from sign bits (Hacker's Delight 2-12/2-13). */
-static __always_inline __u32 elems_w8(struct kccl_agg_slot *s, struct agg_scratch *sc)
+/* r saturated to int32 */
+static __always_inline __s64 sat32(__s64 r)
 {
-	__u32 n = GET(sc, nelem);
-	struct elem_ctl *c = &sc->ctl;
-	__s64 count = CTL(c, count), add = CTL(c, add), min = CTL(c, min), nstore = CTL(c, nstore);
-	__s64 store_nadd = CTL(c, store_nadd), keep = CTL(c, keep), ovf_on = CTL(c, ovf), ovf = 0;
-	__u32 i;
+	__s64 hi, hm, lo, lm;
+
+	hi = S32_MAX - r;
+	hm = hi >> 63;			/* ~0 if r > S32_MAX */
+	OPAQUE(hm);
+	r += hi & hm;
+	lo = r - S32_MIN;
+	lm = lo >> 63;			/* ~0 if r < S32_MIN */
+	OPAQUE(lm);
+	return r - (lo & lm);
+}
+
+/* Width-4 write-back: the accumulators saturated to int32, big-endian, into
+ * sc->buf (what an allreduce result carries); ELEM_SAT into sc->res.  A
+ * block is clamped only if one of its values is out of range. */
+static __always_inline void w4_write(struct kccl_agg_slot *s, struct agg_scratch *sc)
+{
+	__u32 nb = GET(sc, nblk), b;
+	__u64 *q = (__u64 *)sc->buf;
+	__s64 *a = s->rec.acc;
+
+	*(volatile __s64 *)&sc->flag = 0;
+#pragma clang loop unroll(disable)
+	for (b = 0; b < NBLK; b++) {
+		__s64 r[BLK_W4];
+		__u64 out = 0;
+
+		if (b >= nb)
+			break;
+#pragma unroll
+		for (int j = 0; j < BLK_W4; j++) {
+			r[j] = a[j];
+			out |= ((__u64)r[j] + 0x80000000ULL) >> 32;	/* != 0: out of range */
+		}
+		if (out) {
+			*(volatile __s64 *)&sc->flag = 1;
+#pragma unroll
+			for (int j = 0; j < BLK_W4; j++)
+				r[j] = sat32(r[j]);
+		}
+#pragma unroll
+		for (int j = 0; j < BLK_W4 / 2; j++)
+			q[j] = __builtin_bswap64((__u64)r[2 * j] << 32 | (__u32)r[2 * j + 1]);
+		q += BLK_W4 / 2;
+		a += BLK_W4;
+	}
+	if (*(volatile __s64 *)&sc->flag)
+		PUT(sc, res, GET(sc, res) | ELEM_SAT);
+}
+
+/*
+ * Width-8 elements (I64): the same over the full int64 range; signed
+ * comparison and SUM/AVG overflow (ELEM_OVF into sc->res) from sign bits
+ * (Hacker's Delight 2-12/2-13).
+ */
+static __always_inline void w8_loop(struct kccl_agg_slot *s, struct agg_scratch *sc, const int k)
+{
+	__u32 nb = GET(sc, nblk), b;
+	__u64 *q = (__u64 *)sc->buf;
+	__s64 *a = s->rec.acc;
+
+	if (k == K_ADD)
+		*(volatile __s64 *)&sc->flag = 0;
+#pragma clang loop unroll(disable)
+	for (b = 0; b < NBLK; b++) {
+		__s64 ovf = 0;
+
+		if (b >= nb)
+			break;
+#pragma unroll
+		for (int j = 0; j < BLK_W8; j++) {
+			__s64 v, x = a[j], sum, d, lt;
+
+			if (k == K_STORE_COUNT || k == K_COUNT) {
+				v = nz64(q[j]);
+			} else {
+				v = (__s64)__builtin_bswap64(q[j]);
+			}
+			if (k == K_STORE || k == K_STORE_COUNT) {
+				a[j] = v;
+			} else if (k == K_ADD) {
+				sum = (__s64)((__u64)x + (__u64)v);
+				ovf |= (x ^ sum) & (v ^ sum);
+				a[j] = sum;
+			} else if (k == K_COUNT) {
+				a[j] = x + v;	/* at most 64: no overflow */
+			} else {
+				d = (__s64)((__u64)v - (__u64)x);
+				lt = (d ^ ((v ^ x) & (d ^ v))) >> 63;	/* ~0 if v < a */
+				OPAQUE(lt);
+				a[j] = k == K_MAX ? SEL(lt, x, v) : SEL(lt, v, x);
+			}
+		}
+		if (k == K_ADD)
+			*(volatile __s64 *)&sc->flag |= ovf;
+		q += BLK_W8;
+		a += BLK_W8;
+	}
+	if (k == K_ADD && *(volatile __s64 *)&sc->flag < 0)
+		PUT(sc, res, GET(sc, res) | ELEM_OVF);
+}
+
+/* Width-8 write-back: the accumulators, big-endian, into sc->buf. */
+static __always_inline void w8_write(struct kccl_agg_slot *s, struct agg_scratch *sc)
+{
+	__u32 nb = GET(sc, nblk), b;
+	__u64 *q = (__u64 *)sc->buf;
+	__s64 *a = s->rec.acc;
 
 #pragma clang loop unroll(disable)
-	for (i = 0; i < KCCL_AGG_MAX_ELEMS / 2; i++) {
-		__u64 *p = (__u64 *)sc->buf + i;
-		__s64 v, a, a0, r, d, lt, sum;
-
-		if (i >= n)
+	for (b = 0; b < NBLK; b++) {
+		if (b >= nb)
 			break;
-		v = (__s64)bpf_be64_to_cpu(*p);
-		v = SEL(count, nonzero(v), v);
-		a0 = s->rec.acc[i];
-		a = (a0 & nstore) | (v & store_nadd);
-		sum = (__s64)((__u64)a + (__u64)v);
-		ovf |= (a ^ sum) & (v ^ sum);
-		d = (__s64)((__u64)v - (__u64)a);
-		lt = (d ^ ((v ^ a) & (d ^ v))) >> 63;	/* ~0 if v < a */
-		OPAQUE(lt);
-		r = SEL(min, SEL(lt, v, a), SEL(lt, a, v));
-		r = SEL(add, sum, r);
-		r = SEL(keep, a0, r);
-		s->rec.acc[i] = r;
-		*p = bpf_cpu_to_be64((__u64)r);
+#pragma unroll
+		for (int j = 0; j < BLK_W8; j++)
+			q[j] = __builtin_bswap64(a[j]);
+		q += BLK_W8;
+		a += BLK_W8;
 	}
-	return (ovf & ovf_on) < 0 ? ELEM_OVF : 0;
+}
+
+/*
+ * One pass over the chunk's elements as sc says (mode, write, op, esize):
+ * the first contribution (ELEM_STORE) stores, later ones (ELEM_COMBINE)
+ * combine, and with write the results go into sc->buf (a separate pass: only
+ * allreduce answers need it).  sc->res gets ELEM_OVF / ELEM_SAT.
+ */
+static __always_inline void elems(struct kccl_agg_slot *s, struct agg_scratch *sc)
+{
+	__u32 mode = GET(sc, mode), op = GET(sc, op);
+
+	if (GET(sc, esize) == 8) {
+		if (mode == ELEM_STORE) {
+			if (op == KCCL_OP_COUNT)
+				w8_loop(s, sc, K_STORE_COUNT);
+			else
+				w8_loop(s, sc, K_STORE);
+		} else if (mode == ELEM_COMBINE) {
+			if (op == KCCL_OP_COUNT)
+				w8_loop(s, sc, K_COUNT);
+			else if (op == KCCL_OP_MAX)
+				w8_loop(s, sc, K_MAX);
+			else if (op == KCCL_OP_MIN)
+				w8_loop(s, sc, K_MIN);
+			else
+				w8_loop(s, sc, K_ADD);
+		}
+		if (GET(sc, write))
+			w8_write(s, sc);
+	} else {
+		if (mode == ELEM_STORE) {
+			if (op == KCCL_OP_COUNT)
+				w4_loop(s, sc, K_STORE_COUNT);
+			else
+				w4_loop(s, sc, K_STORE);
+		} else if (mode == ELEM_COMBINE) {
+			if (op == KCCL_OP_COUNT)
+				w4_loop(s, sc, K_COUNT);
+			else if (op == KCCL_OP_MAX)
+				w4_loop(s, sc, K_MAX);
+			else if (op == KCCL_OP_MIN)
+				w4_loop(s, sc, K_MIN);
+			else
+				w4_loop(s, sc, K_ADD);
+		}
+		if (GET(sc, write))
+			w4_write(s, sc);
+	}
 }
 
 /* Ones' complement update of a checksum for a 16-bit field change (RFC 1624);
@@ -573,7 +733,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	struct kccl_agg_slot *s;
 	struct agg_scratch *sc;
 	struct contrib c;
-	__u32 ihl_len, udp_len, tot_len, esize, nelem, chunk, idx, src, act, r = 0, zero = 0, pay_off;
+	__u32 ihl_len, udp_len, tot_len, esize, nelem, chunk, idx, src, act, r, zero = 0, pay_off;
 	__u16 flags;
 	__u64 len;
 	bool ovf;
@@ -673,22 +833,25 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		goto malformed;
 	if (bpf_xdp_load_bytes(ctx, pay_off, sc->buf, len))
 		goto malformed;
+	/* Zeros from the payload's end to its last block's (see BLK_BYTES). */
+	*(__u64 *)(sc->buf + len) = 0;
+	*(__u64 *)(sc->buf + len + 8) = 0;
+	*(__u64 *)(sc->buf + len + 16) = 0;
+	PUT(sc, nblk, (len + BLK_BYTES - 1) / BLK_BYTES);
+	PUT(sc, op, c.op);
+	PUT(sc, esize, esize);
 	PUT(sc, nelem, nelem);
 	/* No helper calls under the lock: read the clock before. */
 	c.now = bpf_ktime_get_ns();
 
 	bpf_spin_lock(&s->lock);
 	decide(s, sc, &c);
-	if (GET(sc, mode) != ELEM_NONE || GET(sc, write)) {
-		elem_ctl_init(&sc->ctl, c.op, GET(sc, mode), GET(sc, write));
-		if (esize == 8)
-			r = elems_w8(s, sc);
-		else
-			r = elems_w4(s, sc);
-	}
+	PUT(sc, res, 0);
+	if (GET(sc, mode) != ELEM_NONE || GET(sc, write))
+		elems(s, sc);
 	if (GET(sc, mode) != ELEM_NONE) {
 		s->seen |= c.bit;
-		if (r & ELEM_OVF)
+		if (GET(sc, res) & ELEM_OVF)
 			s->rec.overflow = 1;
 		act = GET(sc, act);
 		if (act != ACT_ADDED) {
@@ -698,7 +861,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		}
 	}
 	bpf_spin_unlock(&s->lock);
-	ovf = GET(sc, ovf) || (r & ELEM_SAT);
+	ovf = GET(sc, ovf) || (GET(sc, res) & ELEM_SAT);
 	act = GET(sc, act);
 
 	if (act == ACT_DROP) {
@@ -727,7 +890,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	}
 
 	/* Reduce completion or retry: record to the ring, then the ACK. */
-	r = deliver(s, c.op_id, c.pay_len, c.msg_len, nelem);
+	r = deliver(s, c.op_id, c.pay_len, c.msg_len, GET(sc, nelem));
 	bpf_spin_lock(&s->lock);
 	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
 	bpf_spin_unlock(&s->lock);

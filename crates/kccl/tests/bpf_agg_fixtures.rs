@@ -729,6 +729,33 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
     {
+        // The element loops work on 24-byte blocks of a scratch copy of the
+        // payload, zero-filled past its end: what a longer earlier packet
+        // left in the scratch buffer (here int32::MAX everywhere) must not
+        // leak into a short chunk's result (as a saturation or an overflow).
+        let (big, short32, short64) = (ids.alloc(d, &[0]), ids.alloc(d, &[0]), ids.alloc(d, &[0]));
+        let filler = Contrib::new(1, big, SUM, I32, &ranks, &[i64::from(i32::MAX); 358]).allreduce();
+        let c32: Vec<Contrib> = [(1u16, 7i64), (2, -2)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, short32, SUM, I32, &[1, 2], &[v]).allreduce())
+            .collect();
+        let c64: Vec<Contrib> = [(1u16, 1i64 << 40), (2, -3)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, short64, SUM, I64, &[1, 2], &[v]).allreduce())
+            .collect();
+        let mut f = Fixture::new("short chunks after a full one: no stale scratch bytes in the result", d);
+        f.drop(&filler).drop(&c32[0]).pass(&c32[1], c32[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[5])));
+        f.drop(&filler).drop(&c64[0]);
+        f.pass(&c64[1], c64[1].answer(T_AGG_RESULT, false, 0b110, encode(I64, &[(1 << 40) - 3])));
+        f.stats = stats(|s| {
+            s.pkts = 5;
+            s.dup = 1;
+            s.chunks_done = 2;
+            s.results = 2;
+        });
+        t.push(f);
+    }
+    {
         let op_id = ids.alloc(d, &[0]);
         let v = [vec![i64::MAX, -5], vec![1, 5]];
         let c: Vec<Contrib> =
@@ -1389,6 +1416,103 @@ fn xdp_agg_fixture_table() {
     }
     println!("{} xdp_agg fixtures, {} failed, {:?}", table.len(), failed.len(), t0.elapsed());
     assert!(failed.is_empty(), "{} of {} fixtures failed:\n{}", failed.len(), table.len(), failed.join("\n"));
+}
+
+// ---------------------------------------------------------------------------
+// Microbenchmark of the per-packet cost (not a fixture; run by hand):
+//   cargo test --release -p kccl --test bpf_agg_fixtures -- --ignored --nocapture xdp_agg_ns_per_packet
+// Every chunk has contributors {1, 2, 3} and goes through the three paths of
+// a full chunk: rank 1 claims the slot and stores (XDP_DROP), rank 2 combines
+// into the ACTIVE slot (XDP_DROP, the common case), rank 3 completes it as an
+// allreduce (XDP_PASS, the RESULT written into the packet); then rank 2 again
+// (a duplicate: everything but the element loop).  The 1024 consecutive op ids
+// of a round cover every slot once, and DONE slots are claimed by the next
+// round.  Each packet is one BPF_PROG_TEST_RUN (repeat 1; the same packet
+// cannot be repeated on these paths: a second run is a duplicate), timed by
+// the kernel around the program alone; the thread is pinned to one CPU.
+
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+fn run_xdp_timed(e: &AggEngine, input: &[u8], out: &mut [u8]) -> (u32, usize, Duration) {
+    let o = e
+        .xdp_skel()
+        .progs
+        .kccl_xdp_agg
+        .test_run(libbpf_rs::ProgramInput { data_in: Some(input), data_out: Some(out), ..Default::default() })
+        .expect("BPF_PROG_TEST_RUN");
+    (o.return_value, o.data.map(|d| d.len()).unwrap_or_default(), o.duration)
+}
+
+fn ns_summary(v: &mut [u64]) -> String {
+    v.sort_unstable();
+    let mean = v.iter().sum::<u64>() as f64 / v.len() as f64;
+    format!("median {:6} ns  p10 {:6}  mean {:8.1}", v[v.len() / 2], v[v.len() / 10], mean)
+}
+
+#[test]
+#[ignore = "microbenchmark, run by hand with --ignored --nocapture"]
+fn xdp_agg_ns_per_packet() {
+    if !is_root() {
+        println!("SKIP: xdp_agg_ns_per_packet needs root (BPF_PROG_TEST_RUN)");
+        return;
+    }
+    pin_to_cpu(1);
+    let tl = Instant::now();
+    let mut e = AggEngine::open(&Engine::Default.config()).expect("loading xdp_agg + tc_agg_result");
+    let load = tl.elapsed();
+    members(&mut e).expect("members");
+    let (xi, _) = e.verified_insns().expect("program info");
+    println!("xdp_agg: verifier processed {xi} insns, loaded (with tc_agg_result) in {load:?}");
+    let rounds: u32 = std::env::var("KCCL_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(4);
+    let mut out = vec![0u8; 4096];
+    let mut base = 1_000_000u32;
+    for (op, dt) in [(SUM, I32), (SUM, I64), (MAX, I32), (MIN, I64), (COUNT, I32)] {
+        let n = CHUNK as usize / if dt == I64 { 8 } else { 4 };
+        let (mut store, mut combine, mut complete, mut dup) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..rounds {
+            for k in 0..1024u32 {
+                let op_id = base + k;
+                let vals: Vec<Vec<i64>> = (1..=3i64)
+                    .map(|r| {
+                        (0..n as i64)
+                            .map(|i| ((i * 7919 + r * 104_729 + i64::from(op_id)) % 2_000_003 - 1_000_001) * (i % 5))
+                            .collect()
+                    })
+                    .collect();
+                let p: Vec<Vec<u8>> = (0..3)
+                    .map(|r| Contrib::new(r as u16 + 1, op_id, op, dt, &[1, 2, 3], &vals[r]).allreduce().build())
+                    .collect();
+                let (v, _, d) = run_xdp_timed(&e, &p[0], &mut out);
+                assert_eq!(v, XDP_DROP, "store");
+                store.push(d.as_nanos() as u64);
+                let (v, _, d) = run_xdp_timed(&e, &p[1], &mut out);
+                assert_eq!(v, XDP_DROP, "combine");
+                combine.push(d.as_nanos() as u64);
+                let (v, _, d) = run_xdp_timed(&e, &p[1], &mut out);
+                assert_eq!(v, XDP_DROP, "duplicate");
+                dup.push(d.as_nanos() as u64);
+                let (v, len, d) = run_xdp_timed(&e, &p[2], &mut out);
+                assert_eq!(v, XDP_PASS, "complete");
+                complete.push(d.as_nanos() as u64);
+                let (acc, _) = reduce(op, dt, &vals);
+                let (want, _) = wire_result(dt, &acc);
+                assert_eq!(&out[len - want.len()..len], &want[..], "result values");
+            }
+            base += 1024;
+        }
+        println!("{} {} ({n} elements, {} packets per path):", name_op(op), name_dt(dt), store.len());
+        println!("  store (claim)      {}", ns_summary(&mut store));
+        println!("  combine (ACTIVE)   {}", ns_summary(&mut combine));
+        println!("  complete (RESULT)  {}", ns_summary(&mut complete));
+        println!("  duplicate (no loop){}", ns_summary(&mut dup));
+    }
 }
 
 // ---------------------------------------------------------------------------
