@@ -10,7 +10,8 @@
 //! AggEngineConfig::new(job_id, port, my_rank) with pub fields chunk_bytes,
 //! nslots, slot_timeout (ring_bytes, wakeup_bytes left at their defaults);
 //! AggEngine::load(&cfg, ifindex), sync_members(&Group), stats(),
-//! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize>.
+//! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize> (here its
+//! bounded form poll_records_max).
 
 use std::time::Duration;
 
@@ -44,10 +45,12 @@ impl KernelBackend {
         &self.engine
     }
 
-    /// Hands every ring buffer record (completed reduce chunk) to the sink.
-    pub fn poll(&mut self, timeout: Duration, sink: &mut dyn AggSink) -> Result<usize> {
+    /// Hands ring buffer records (completed reduce chunks) to the sink, at
+    /// most `max` of them: the rest stay in the ring, in order (see
+    /// `AggEngine::poll_records_max`).
+    pub fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         let job = self.job_id;
-        self.engine.poll_records(timeout, &mut |r| {
+        self.engine.poll_records_max(timeout, max, &mut |r| {
             if r.job_id != job {
                 return;
             }
