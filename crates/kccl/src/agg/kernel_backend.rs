@@ -23,7 +23,9 @@ use crate::kernel_agg::{AggEngine, AggEngineConfig};
 use crate::netns;
 
 pub(crate) struct KernelBackend {
-    engine: AggEngine,
+    /// Boxed: the engine (skeletons, ring buffer readers) would make this
+    /// variant of AggBackend much larger than the user-space one.
+    engine: Box<AggEngine>,
     job_id: u32,
     /// Serves what the kernel passes up.
     pub user: UserAggregator,
@@ -38,7 +40,7 @@ impl KernelBackend {
         c.slot_timeout = cfg.slot_timeout;
         let mut engine = AggEngine::load(&c, ifindex)?;
         engine.sync_members(group)?;
-        Ok(KernelBackend { engine, job_id: group.job_id, user })
+        Ok(KernelBackend { engine: Box::new(engine), job_id: group.job_id, user })
     }
 
     pub fn engine(&self) -> &AggEngine {
@@ -58,7 +60,7 @@ impl KernelBackend {
                 op_id: r.op_id,
                 frag_off: r.frag_off,
                 msg_len: r.msg_len,
-                payload_len: r.payload_len as u16,
+                payload_len: r.payload_len,
                 agg_op: r.agg_op,
                 dtype: r.dtype,
                 // u8 in struct kccl_agg_record; u8::from also takes a bool.
