@@ -637,13 +637,28 @@ impl AggEngine {
     /// there (written without a wake-up), else waits up to `timeout` for one.
     /// Returns how many records were handed to `f`.
     pub fn poll_records(&mut self, timeout: Duration, f: &mut dyn FnMut(AggRecordView<'_>)) -> Result<usize> {
-        let ring_err = |e| Error::Bpf { step: "reading the agg_records ring buffer".into(), source: e };
-        self.ring.consume().map_err(ring_err)?;
-        let empty = self.records.lock().map(|q| q.spans.is_empty()).unwrap_or(true);
-        if empty && !timeout.is_zero() {
-            self.ring.poll(timeout).map_err(ring_err)?;
-            // Records written without a wake-up after the poll started.
-            self.ring.consume().map_err(ring_err)?;
+        self.poll_records_max(timeout, usize::MAX, f)
+    }
+
+    /// [`AggEngine::poll_records`] taking at most `max` records off the ring
+    /// buffer: the others stay there, in order, for a later call.  This is
+    /// how a reader with bounded memory applies backpressure: while the ring
+    /// is full, xdp_agg keeps completed chunks UNDELIVERED and answers
+    /// nobody, so the contributors retransmit instead of running ahead.
+    /// `max` 0 reads nothing and does not wait.
+    pub fn poll_records_max(
+        &mut self,
+        timeout: Duration,
+        max: usize,
+        f: &mut dyn FnMut(AggRecordView<'_>),
+    ) -> Result<usize> {
+        if max == 0 {
+            return Ok(0);
+        }
+        if self.consume_records(max)? == 0 && !timeout.is_zero() {
+            self.wait_records(timeout)?;
+            // Also records written without a wake-up during the wait.
+            self.consume_records(max)?;
         }
         let q = std::mem::take(&mut *self.records.lock().map_err(|_| Error::Usage("record queue poisoned".into()))?);
         let mut n = 0;
@@ -667,6 +682,32 @@ impl AggEngine {
             n += 1;
         }
         Ok(n)
+    }
+
+    /// Moves up to `max` records from the ring into the record queue.
+    fn consume_records(&mut self, max: usize) -> Result<usize> {
+        let n = self.ring.consume_raw_n(max);
+        if n < 0 {
+            return Err(Error::io("reading the agg_records ring buffer", std::io::Error::from_raw_os_error(-n)));
+        }
+        Ok(n as usize)
+    }
+
+    /// Sleeps until the ring buffer signals data or `timeout` passes (rounded
+    /// up to whole milliseconds).  Consumes nothing.
+    fn wait_records(&self, timeout: Duration) -> Result<()> {
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: the ring's epoll fd is open while self lives; ev is one
+        // writable event.
+        let rc = unsafe { libc::epoll_wait(self.ring.epoll_fd(), &mut ev, 1, ms) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::io("waiting for agg_records ring buffer data", e));
+            }
+        }
+        Ok(())
     }
 
     /// Destinations tc_agg_result could not serve since the last call.

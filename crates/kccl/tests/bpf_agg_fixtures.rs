@@ -387,6 +387,12 @@ enum Step {
     Sleep(Duration),
     /// Read the ring buffer now (records join the fixture's list).
     Drain,
+    /// Read at most `max` records now (AggEngine::poll_records_max); `want`
+    /// of them must be there.
+    DrainAtMost {
+        max: usize,
+        want: usize,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -1224,6 +1230,52 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
 
+    // 11. A reader with bounded memory (a reduce root whose stash is full)
+    //     takes only some records: the others stay in the ring, in order,
+    //     and once it is full the kernel answers nobody (UNDELIVERED) until
+    //     the reader takes more; a retransmission then completes.
+    {
+        let e = Engine::SmallRing;
+        let mut f = Fixture::new("bounded reader: records wait in the ring, in order; backpressure when full", e);
+        let vals: Vec<i64> = (0..358).map(|v| v * 3 - 500).collect();
+        let rec = |op_id| Rec {
+            op_id,
+            frag_off: 0,
+            msg_len: 1432,
+            payload_len: 1432,
+            agg_op: SUM,
+            dtype: I32,
+            overflow: false,
+            contributors: 1 << 1,
+            values: vals.clone(),
+        };
+        let c: Vec<Contrib> = (0..8).map(|_| Contrib::new(1, ids.alloc(e, &[0]), SUM, I32, &[1], &vals)).collect();
+        // Five 2904-byte records fill the 16 KiB ring; the reader takes two.
+        for k in &c[..5] {
+            f.pass(k, k.ack(false, 1 << 1));
+        }
+        f.steps.push(Step::DrainAtMost { max: 2, want: 2 });
+        f.steps.push(Step::DrainAtMost { max: 0, want: 0 });
+        // Room for two more; the third finds the ring full: no ACK.
+        f.pass(&c[5], c[5].ack(false, 1 << 1));
+        f.pass(&c[6], c[6].ack(false, 1 << 1));
+        f.drop(&c[7]);
+        // The reader takes one more: the retransmission is recorded and ACKed.
+        f.steps.push(Step::DrainAtMost { max: 1, want: 1 });
+        f.pass(&c[7], c[7].ack(false, 1 << 1));
+        // The final drain reads the five left, still in completion order.
+        f.records = c.iter().map(|c| rec(c.op_id)).collect();
+        f.stats = stats(|s| {
+            s.pkts = 8;
+            s.chunks_done = 8;
+            s.acks = 8;
+            s.records = 8;
+            s.ring_full = 1;
+        });
+        f.slots = vec![(c[7].op_id, 0, SlotState::Done, 1 << 1)];
+        t.push(f);
+    }
+
     t
 }
 
@@ -1278,7 +1330,13 @@ fn run_xdp(e: &AggEngine, input: &[u8]) -> Result<(u32, Vec<u8>), String> {
 }
 
 fn drain(e: &mut AggEngine, into: &mut Vec<Rec>) -> Result<(), String> {
-    e.poll_records(Duration::ZERO, &mut |r| {
+    drain_at_most(e, None, into).map(|_| ())
+}
+
+/// Reads every record (max None: AggEngine::poll_records) or at most `max`
+/// (poll_records_max); returns how many.
+fn drain_at_most(e: &mut AggEngine, max: Option<usize>, into: &mut Vec<Rec>) -> Result<usize, String> {
+    let mut f = |r: kccl::kernel_agg::AggRecordView<'_>| {
         into.push(Rec {
             op_id: r.op_id,
             frag_off: r.frag_off,
@@ -1292,8 +1350,11 @@ fn drain(e: &mut AggEngine, into: &mut Vec<Rec>) -> Result<(), String> {
         });
         assert_eq!(r.job_id, JOB);
         assert_eq!(r.mask_base, 0);
-    })
-    .map(|_| ())
+    };
+    match max {
+        None => e.poll_records(Duration::ZERO, &mut f),
+        Some(m) => e.poll_records_max(Duration::ZERO, m, &mut f),
+    }
     .map_err(|err| format!("poll_records: {err}"))
 }
 
@@ -1309,6 +1370,11 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
                     errs.push(err);
                 }
             }
+            Step::DrainAtMost { max, want } => match drain_at_most(e, Some(*max), &mut records) {
+                Ok(n) if n == *want => {}
+                Ok(n) => errs.push(format!("step {i}: read {n} records with max {max}, want {want}")),
+                Err(err) => errs.push(format!("step {i}: {err}")),
+            },
             Step::Pkt { input, verdict, output } => {
                 let (v, out) = match run_xdp(e, input) {
                     Ok(x) => x,

@@ -104,6 +104,8 @@ fn path_of(c: PathChoice) -> Path {
 struct KernelCounters {
     pkts: u64,
     results: u64,
+    records: u64,
+    ring_full: u64,
     mismatch: u64,
     not_member: u64,
     overflow: u64,
@@ -114,6 +116,8 @@ fn kernel_counters(s: Option<kccl::kernel_agg::AggStats>) -> KernelCounters {
     s.map(|k| KernelCounters {
         pkts: k.pkts,
         results: k.results,
+        records: k.records,
+        ring_full: k.ring_full,
         mismatch: k.mismatch,
         not_member: k.not_member,
         overflow: k.overflow,
@@ -704,6 +708,100 @@ fn a_kernel_aggregator_only_2_senders() {
 #[test]
 fn a_kernel_aggregator_only_16_senders() {
     reduce_and_allreduce("a_kernel_aggregator_only_16_senders", 16, Paths::KernelAggregatorOnly, &SIZES);
+}
+
+/// Regression: on the kernel path the root's kernel ACKs every reduce chunk
+/// by itself, so the contributors can finish many calls before the root's
+/// runtime reads their ring buffer records.  The root used to keep only the
+/// records of its next two calls and dropped the others, whose chunks were
+/// then lost for good: it timed out on the third call it was behind
+/// (a_kernel_path_2_senders flaked like this under CPU load).  Here the lag
+/// is certain: the contributors run every call before the root starts.  A
+/// stash of 16 chunks (nslots 16) also makes the root leave most records in
+/// the ring buffer until it reaches their call.
+fn root_behind_contributors(test: &str, paths: Paths) {
+    if !root_or_skip(test) {
+        return;
+    }
+    let t0 = Instant::now();
+    let topo = Topo::up("agg-lag", 3);
+    let n = 2u16;
+    let cases = cases(&[1, 358, 5000]);
+    let rg = topo.group(REDUCE_JOB, n, None);
+    let c = AggConfig { nslots: 16, window: 8, deadline: Duration::from_secs(3), ..cfg() };
+    // Every Collective exists (BPF loaded); then the contributors are done.
+    let (ready, sent) = (Arc::new(Barrier::new(3)), Arc::new(Barrier::new(3)));
+    let handles: Vec<_> = (0..=n)
+        .map(|rank| {
+            let (g, c, cs, ready, sent) = (rg.clone(), c.clone(), cases.clone(), ready.clone(), sent.clone());
+            on_host(topo.ns(rank), move || {
+                let choice = if rank == n { paths.aggregating() } else { paths.contributor() };
+                let mut col = Collective::new(&g, rank, choice, c).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert_eq!(col.path(), path_of(choice), "rank {rank}: {}", col.path_reason());
+                ready.wait();
+                if rank == n {
+                    sent.wait();
+                }
+                let mut got: Vec<Got> = Vec::with_capacity(cs.len());
+                for (i, case) in cs.iter().enumerate() {
+                    if got.iter().any(|g| matches!(g, Got::Err(_))) {
+                        got.push(Got::Err("not run after an earlier failure of this member".into()));
+                        continue;
+                    }
+                    got.push(run_case(&mut col, case, &gen(case, i, rank), Some(n)));
+                }
+                if rank != n {
+                    sent.wait();
+                }
+                #[cfg(feature = "kernel-agg")]
+                let kernel = kernel_counters(col.kernel_stats().expect("reading the kernel counters"));
+                #[cfg(not(feature = "kernel-agg"))]
+                let kernel = KernelCounters::default();
+                (rank, got, col.stats(), kernel)
+            })
+        })
+        .collect();
+    let got: BTreeMap<u16, _> = handles
+        .into_iter()
+        .map(|h| {
+            let (r, g, s, k) = h.join().expect("member thread");
+            (r, (g, s, k))
+        })
+        .collect();
+    let mut bad = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let mut datas: Vec<Data> = (0..n).map(|r| gen(case, i, r)).collect();
+        datas.push(gen(case, i, n));
+        for (&rank, (g, _, _)) in &got {
+            if rank == n {
+                bad.extend(check(case, i, &datas, n as usize, false, 1432, &g[i]));
+            } else if !matches!(g[i], Got::Sent) {
+                bad.push(format!("case {i}: contributor {rank} got {:?}", g[i]));
+            }
+        }
+    }
+    let (_, root, kernel) = &got[&n];
+    // Every chunk the kernel recorded reached the root, most of them
+    // through its stash (none was from a past call), and the ring did not
+    // overflow: the contributors never had to wait.
+    if root.stashed == 0 || root.stale_chunks != 0 || root.root_chunks != kernel.records || kernel.ring_full != 0 {
+        bad.push(format!("root: {root:?}; kernel {kernel:?}"));
+    }
+    assert_clean(&format!("{test}: reduce to rank {n} after the contributors finished"), bad);
+    println!(
+        "{test}: {} calls; root: {} chunks, {} stashed; kernel {} records; total {:?}",
+        cases.len(),
+        root.root_chunks,
+        root.stashed,
+        kernel.records,
+        t0.elapsed()
+    );
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn a_kernel_path_root_behind_2_senders() {
+    root_behind_contributors("a_kernel_path_root_behind_2_senders", Paths::Kernel);
 }
 
 /// 22M float32 (88 MB per member), SUM, 2 senders: reduce and allreduce.

@@ -10,7 +10,8 @@
 //! AggEngineConfig::new(job_id, port, my_rank) with pub fields chunk_bytes,
 //! nslots, slot_timeout (ring_bytes, wakeup_bytes left at their defaults);
 //! AggEngine::load(&cfg, ifindex), sync_members(&Group), stats(),
-//! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize>.
+//! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize> (here its
+//! bounded form poll_records_max).
 
 use std::time::Duration;
 
@@ -22,7 +23,9 @@ use crate::kernel_agg::{AggEngine, AggEngineConfig};
 use crate::netns;
 
 pub(crate) struct KernelBackend {
-    engine: AggEngine,
+    /// Boxed: the engine (skeletons, ring buffer readers) would make this
+    /// variant of AggBackend much larger than the user-space one.
+    engine: Box<AggEngine>,
     job_id: u32,
     /// Serves what the kernel passes up.
     pub user: UserAggregator,
@@ -37,17 +40,19 @@ impl KernelBackend {
         c.slot_timeout = cfg.slot_timeout;
         let mut engine = AggEngine::load(&c, ifindex)?;
         engine.sync_members(group)?;
-        Ok(KernelBackend { engine, job_id: group.job_id, user })
+        Ok(KernelBackend { engine: Box::new(engine), job_id: group.job_id, user })
     }
 
     pub fn engine(&self) -> &AggEngine {
         &self.engine
     }
 
-    /// Hands every ring buffer record (completed reduce chunk) to the sink.
-    pub fn poll(&mut self, timeout: Duration, sink: &mut dyn AggSink) -> Result<usize> {
+    /// Hands ring buffer records (completed reduce chunks) to the sink, at
+    /// most `max` of them: the rest stay in the ring, in order (see
+    /// `AggEngine::poll_records_max`).
+    pub fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         let job = self.job_id;
-        self.engine.poll_records(timeout, &mut |r| {
+        self.engine.poll_records_max(timeout, max, &mut |r| {
             if r.job_id != job {
                 return;
             }

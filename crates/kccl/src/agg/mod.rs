@@ -257,6 +257,9 @@ pub struct CollectiveStats {
     pub root_chunks: u64,
     /// Reduce chunks completed before the root reached their operation.
     pub stashed: u64,
+    /// Reduce chunks of calls this root had already finished (or given up
+    /// on) when they completed: dropped.
+    pub stale_chunks: u64,
     pub contrib: ContribStats,
     /// The user-space aggregator of this member (reduce root, USER_ONLY).
     pub agg: AggStats,
@@ -315,15 +318,16 @@ impl AggBackend {
         }
     }
 
-    /// Completed reduce chunks of the kernel (ring buffer records).
-    fn poll(&mut self, timeout: Duration, sink: &mut dyn AggSink) -> Result<usize> {
+    /// Completed reduce chunks of the kernel (ring buffer records), at most
+    /// `max` (the others stay in the ring).
+    fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         match self {
             AggBackend::User(_) => {
-                let _ = (timeout, sink);
+                let _ = (timeout, max, sink);
                 Ok(0)
             }
             #[cfg(feature = "kernel-agg")]
-            AggBackend::Kernel(k) => k.poll(timeout, sink),
+            AggBackend::Kernel(k) => k.poll(timeout, max, sink),
         }
     }
 }
@@ -450,9 +454,46 @@ fn contributors(group: &Group, what: &str, exclude: &[u16]) -> Result<Contributo
 }
 
 /// Reduce chunks that completed before the local root reached their call.
+///
+/// On the user path the root admits only contributions of the next two
+/// calls, and only while the stash has room ([`Admit::Early`] otherwise), so
+/// contributors wait for a slow root.  On the kernel path nothing waits for
+/// the root: xdp_agg completes and ACKs chunks on its own, so the
+/// contributors can finish any number of calls before the root reads their
+/// records.  The stash therefore keeps every record of a later call, and
+/// the root reads no more records than the stash can hold
+/// ([`AggSink::room`]): the rest wait in the ring buffer, which xdp_agg
+/// fills in call order (a contributor starts call k + 1 only after every
+/// chunk of call k was ACKed, i.e. recorded), and when the ring is full the
+/// kernel stops ACKing, so the contributors wait after all.
 #[derive(Default)]
 struct Stash {
     chunks: Vec<Stashed>,
+}
+
+/// Whether op id `op_id` belongs to call `call` or a later one (call `k`
+/// uses op ids 4k..4k+3; serial-number arithmetic: the 2^31 op ids from
+/// `4 * call` on are "now or later", the others past).
+fn call_or_later(op_id: u32, call: u32) -> bool {
+    op_id.wrapping_sub(call.wrapping_mul(4)) < 1 << 31
+}
+
+impl Stash {
+    /// At the start of call `call` (whose data op id is `op_id`): removes
+    /// and returns the chunks of `op_id`, forgets those of earlier calls
+    /// and keeps those of later ones.
+    fn take_call(&mut self, call: u32, op_id: u32) -> Vec<Stashed> {
+        let (mut now, mut keep) = (Vec::new(), Vec::new());
+        for c in std::mem::take(&mut self.chunks) {
+            if c.op_id == op_id {
+                now.push(c);
+            } else if call_or_later(c.op_id, call.wrapping_add(1)) {
+                keep.push(c);
+            }
+        }
+        self.chunks = keep;
+        now
+    }
 }
 
 struct Stashed {
@@ -671,6 +712,7 @@ struct RootSink<'s, 'a> {
     cap: usize,
     state: Option<&'s mut RootState<'a>>,
     stashed: u64,
+    stale: u64,
 }
 
 impl AggSink for RootSink<'_, '_> {
@@ -716,21 +758,30 @@ impl AggSink for RootSink<'_, '_> {
                 return;
             }
         }
-        let ahead = d.op_id.wrapping_sub(self.call.wrapping_add(1).wrapping_mul(4));
-        if ahead < 8 {
-            self.stashed += 1;
-            self.stash.chunks.push(Stashed {
-                op_id: d.op_id,
-                frag_off: d.frag_off,
-                msg_len: d.msg_len,
-                payload_len: d.payload_len,
-                agg_op: d.agg_op,
-                dtype: d.dtype,
-                overflow: d.overflow,
-                contributors: d.contributors,
-                values: d.values.to_vec(),
-            });
+        // Any later call, however far ahead: on the kernel path this record
+        // is the only copy of the chunk (its contributors were ACKed and
+        // moved on), so dropping it would lose the chunk for good.  room()
+        // bounds how many are read.
+        if !call_or_later(d.op_id, self.call.wrapping_add(1)) {
+            self.stale += 1;
+            return;
         }
+        self.stashed += 1;
+        self.stash.chunks.push(Stashed {
+            op_id: d.op_id,
+            frag_off: d.frag_off,
+            msg_len: d.msg_len,
+            payload_len: d.payload_len,
+            agg_op: d.agg_op,
+            dtype: d.dtype,
+            overflow: d.overflow,
+            contributors: d.contributors,
+            values: d.values.to_vec(),
+        });
+    }
+
+    fn room(&self) -> usize {
+        self.cap.saturating_sub(self.stash.chunks.len())
     }
 }
 
@@ -770,10 +821,14 @@ fn pump(
     let mut sock_wait = wait;
     if backend.path() == Path::Kernel {
         // Kernel records: wait on the ring when the root waits for them,
-        // else only drain it; then the socket without blocking.
-        let t = if root_waiting { wait.min(Duration::from_millis(1)) } else { Duration::ZERO };
-        backend.poll(t, sink)?;
-        sock_wait = if root_waiting { Duration::ZERO } else { wait };
+        // else only drain it; then the socket without blocking.  No more
+        // records than the sink can keep: the others stay in the ring (with
+        // no room, the root waits on its socket only).
+        let room = sink.room();
+        let ring_wait = root_waiting && room > 0;
+        let t = if ring_wait { wait.min(Duration::from_millis(1)) } else { Duration::ZERO };
+        backend.poll(t, room, sink)?;
+        sock_wait = if ring_wait { Duration::ZERO } else { wait };
     }
     let n = sock.recv_batch(rb, Some(sock_wait))?;
     stats.recv_calls += 1;
@@ -1050,10 +1105,12 @@ impl Collective {
                 cap: self.cfg.nslots,
                 state: None,
                 stashed: 0,
+                stale: 0,
             };
             let wait = left.min(Duration::from_millis(50));
             let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, false, None, &mut sink);
             self.stats.stashed += sink.stashed;
+            self.stats.stale_chunks += sink.stale;
             r?;
         }
     }
@@ -1153,6 +1210,7 @@ impl Collective {
                 cap: self.cfg.nslots,
                 state: None,
                 stashed: 0,
+                stale: 0,
             };
             let wait = c.wait(now);
             let r = pump(
@@ -1166,6 +1224,7 @@ impl Collective {
                 &mut sink,
             );
             self.stats.stashed += sink.stashed;
+            self.stats.stale_chunks += sink.stale;
             if let Err(e) = r {
                 break Err(e);
             }
@@ -1392,16 +1451,7 @@ impl Collective {
             error: None,
         };
         // Chunks that completed before this call; forget older ones.
-        let base = call.wrapping_mul(4);
-        let (mut early, mut keep) = (Vec::new(), Vec::new());
-        for c in std::mem::take(&mut self.stash.chunks) {
-            if c.op_id == main.op_id {
-                early.push(c);
-            } else if c.op_id.wrapping_sub(base) < 12 {
-                keep.push(c);
-            }
-        }
-        self.stash.chunks = keep;
+        let early = self.stash.take_call(call, main.op_id);
         for c in &early {
             st.on_chunk(&c.view());
         }
@@ -1417,10 +1467,17 @@ impl Collective {
                 return Err(self.root_timeout(&st, since));
             }
             let wait = (self.cfg.deadline - since).min(Duration::from_millis(50));
-            let mut sink =
-                RootSink { stash: &mut self.stash, call, cap: self.cfg.nslots, state: Some(&mut st), stashed: 0 };
+            let mut sink = RootSink {
+                stash: &mut self.stash,
+                call,
+                cap: self.cfg.nslots,
+                state: Some(&mut st),
+                stashed: 0,
+                stale: 0,
+            };
             let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink);
             self.stats.stashed += sink.stashed;
+            self.stats.stale_chunks += sink.stale;
             r?;
         }
         self.stats.root_chunks += nchunks as u64;
@@ -1446,6 +1503,12 @@ impl Collective {
             }
             if st.prefix > 0 && st.exps_got < st.prefix {
                 why += "; the exponent prefix is incomplete";
+            }
+            if self.backend.path() == Path::Kernel && self.stash.chunks.len() >= self.cfg.nslots {
+                why += &format!(
+                    "; the stash is full ({} chunks of later calls; more records wait in the ring buffer)",
+                    self.stash.chunks.len()
+                );
             }
         }
         Error::Timeout {
@@ -1549,7 +1612,7 @@ impl Aggregator {
     pub fn serve_once(&mut self, wait: Duration) -> Result<usize> {
         let mut sink = AllreduceOnly;
         if self.backend.path() == Path::Kernel {
-            self.backend.poll(Duration::ZERO, &mut sink)?;
+            self.backend.poll(Duration::ZERO, usize::MAX, &mut sink)?;
         }
         let Aggregator { sock, rb, backend, .. } = self;
         backend.user_mut().serve_batch(sock, rb, Some(wait), &mut sink)
@@ -1606,6 +1669,56 @@ mod tests {
         }
         assert_eq!((AggOp::Sum.wire(), AggOp::Avg.wire(), DType::F32Q.wire()), (1, 5, 3));
         assert!(AggOp::from_wire(0).is_none() && DType::from_wire(4).is_none());
+    }
+
+    /// Regression: on the kernel path the root's kernel ACKs every chunk
+    /// itself, so contributors can finish any number of calls before the
+    /// root reads their ring buffer records.  The root used to keep only
+    /// records of the next two calls and dropped the others, which were then
+    /// lost for good (the root timed out on that call).  Records of every
+    /// later call are kept; those of past calls are dropped; room() bounds
+    /// how many are read off the ring.
+    #[test]
+    fn root_keeps_records_of_every_later_call() {
+        let vals = [7i64, -3];
+        let rec = |op_id: u32| ChunkDone {
+            op_id,
+            frag_off: 0,
+            msg_len: 16,
+            payload_len: 16,
+            agg_op: OP_SUM,
+            dtype: DT_I64,
+            overflow: false,
+            contributors: 0b11,
+            values: &vals,
+        };
+        let mut stash = Stash::default();
+        let mut sink = RootSink { stash: &mut stash, call: 5, cap: 8, state: None, stashed: 0, stale: 0 };
+        assert_eq!(sink.room(), 8);
+        // Calls 6 and 7 (what used to be kept), then 8, 9 and 30.
+        for call in [6u32, 7, 8, 9, 30] {
+            sink.deliver(&rec(call * 4 + 1));
+        }
+        assert_eq!(sink.room(), 3, "5 of 8 stash places used");
+        // Calls 5 (the current one: no state, so a contributor call) and 2.
+        for call in [5u32, 2] {
+            sink.deliver(&rec(call * 4 + 1));
+        }
+        assert_eq!((sink.stashed, sink.stale), (5, 2));
+        // The root reaches call 9: its chunk comes out of the stash, call
+        // 30's stays, calls 6..=8 are past (that root skipped them).
+        let got = stash.take_call(9, 37);
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].op_id, got[0].values.as_slice()), (37, &vals[..]));
+        assert_eq!(stash.chunks.iter().map(|c| c.op_id).collect::<Vec<_>>(), [121]);
+        // Op ids wrap: call 2^30 - 1 uses op ids from 2^32 - 4, the next
+        // call from 0.
+        let last = (1u32 << 30) - 1;
+        assert!(call_or_later(1, last.wrapping_add(1)) && call_or_later(1, last));
+        assert!(!call_or_later(last.wrapping_mul(4) + 1, 0));
+        let mut sink = RootSink { stash: &mut stash, call: last, cap: 8, state: None, stashed: 0, stale: 0 };
+        sink.deliver(&rec(1));
+        assert_eq!((sink.stashed, sink.stale), (1, 0));
     }
 
     #[test]

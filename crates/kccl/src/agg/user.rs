@@ -138,6 +138,12 @@ pub enum Admit {
 pub trait AggSink {
     fn admit(&mut self, h: &Header) -> Admit;
     fn deliver(&mut self, d: &ChunkDone<'_>);
+    /// How many completed reduce chunks the owner can take now.  The kernel
+    /// path reads no more ring buffer records than this; the others wait in
+    /// the ring (the user path's backpressure is [`Admit::Early`]).
+    fn room(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// The allreduce service: every allreduce contribution is taken; reduce
