@@ -654,10 +654,10 @@ fn reduce_and_allreduce_through_the_cli() {
         // reduce to rank 0 of all four members.
         let out = dir.path(&format!("reduce-{path}.bin"));
         let mut kids = Vec::new();
-        for r in 0..4 {
+        for (r, input) in inputs.iter().enumerate() {
             let rank = r.to_string();
             let mut args = vec!["reduce", "--group", s(&g), "--rank", &rank, "--root", "0", "--path", path];
-            args.extend(["--input", s(&inputs[r])]);
+            args.extend(["--input", s(input)]);
             if r == 0 {
                 args.extend(["--out", s(&out)]);
             }
