@@ -267,6 +267,9 @@ impl AggHarness {
         let times: Mutex<Vec<(u16, usize, Duration, Duration)>> = Mutex::new(Vec::new());
         let path_used: Mutex<Option<Path>> = Mutex::new(None);
         let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
+        // Contributors still running: a reduce root keeps answering
+        // retransmissions (an ACK lost in the fan-out) until they are done.
+        let running = std::sync::atomic::AtomicUsize::new(runners.len() - 1);
         let sub = group.clone();
 
         std::thread::scope(|s| -> Result<()> {
@@ -305,8 +308,8 @@ impl AggHarness {
             };
             let mut handles = Vec::new();
             for &rank in &runners {
-                let (sub, barrier, times, path_used, contributors) =
-                    (&sub, &barrier, &times, &path_used, &contributors);
+                let (sub, barrier, times, path_used, contributors, running) =
+                    (&sub, &barrier, &times, &path_used, &contributors, &running);
                 handles.push(s.spawn(move || -> Result<()> {
                     guarded(barrier, || {
                         enter_host(sub, rank)?;
@@ -333,6 +336,11 @@ impl AggHarness {
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
                             }
+                        }
+                        if kind == Kind::Reduce && rank == agg_rank {
+                            linger(&mut c, running, cfg.deadline)?;
+                        } else {
+                            running.fetch_sub(1, Ordering::SeqCst);
                         }
                         Ok(())
                     })
@@ -402,6 +410,16 @@ impl Drop for AggHarness {
     fn drop(&mut self) {
         self.guard.take();
     }
+}
+
+/// A reduce root answers retransmissions (of chunks whose ACK the fan-out
+/// lost) until every contributor returned, or `deadline` passed.
+fn linger(c: &mut Collective, running: &std::sync::atomic::AtomicUsize, deadline: Duration) -> Result<()> {
+    let end = Instant::now() + deadline;
+    while running.load(Ordering::SeqCst) > 0 && Instant::now() < end {
+        c.serve_for(Duration::from_millis(20))?;
+    }
+    Ok(())
 }
 
 fn enter_host(group: &Group, rank: u16) -> Result<()> {
@@ -480,11 +498,12 @@ pub fn measure_cpu(
     let done_ops = Mutex::new(0usize);
     let wall = Mutex::new(Duration::ZERO);
     let napi0 = Arc::new(Mutex::new(0u64));
+    let running = std::sync::atomic::AtomicUsize::new(ranks.len() - 1);
     std::thread::scope(|s| -> Result<()> {
         let mut hs = Vec::new();
         for &rank in &ranks {
-            let (group, barrier, agg_thread_cpu, path_used, done_ops, wall, napi0, all) =
-                (&group, &barrier, &agg_thread_cpu, &path_used, &done_ops, &wall, &napi0, &ranks);
+            let (group, barrier, agg_thread_cpu, path_used, done_ops, wall, napi0, all, running) =
+                (&group, &barrier, &agg_thread_cpu, &path_used, &done_ops, &wall, &napi0, &ranks, &running);
             hs.push(s.spawn(move || -> Result<()> {
                 guarded(barrier, || {
                     enter_host(group, rank)?;
@@ -519,6 +538,9 @@ pub fn measure_cpu(
                         *wall.lock().map_err(|_| poisoned())? = t0.elapsed();
                         let n0 = *napi0.lock().map_err(|_| poisoned())?;
                         *napi0.lock().map_err(|_| poisoned())? = schedstat_ns(napi_pid)?.saturating_sub(n0);
+                        linger(&mut c, running, cfg.deadline)?;
+                    } else {
+                        running.fetch_sub(1, Ordering::SeqCst);
                     }
                     Ok(())
                 })
