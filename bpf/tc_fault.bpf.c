@@ -72,6 +72,9 @@
 #define PPM		1000000ULL
 #define GOLDEN		0x9e3779b97f4a7c15ULL
 
+/* n in [1, KCCL_FAULT_SLOT] for the verifier; equal to n when it already is. */
+#define SLOT_BOUND(n)	((((n) - 1) & (KCCL_FAULT_SLOT - 1)) + 1)
+
 /* Marks of our own copies (set before load; read-only after). */
 const volatile __u32 cfg_pass_mark = 0x6b636670;	/* "kcfp" */
 const volatile __u32 cfg_release_mark = 0x6b636672;	/* "kcfr" */
@@ -157,7 +160,7 @@ static __always_inline int replay_held(struct __sk_buff *skb)
 	if (len < 14 || len > KCCL_FAULT_SLOT)
 		return TC_ACT_SHOT;	/* nothing held: nothing to send */
 	if (bpf_skb_change_tail(skb, len, 0) ||
-	    bpf_skb_store_bytes(skb, 0, slot->data, len, 0))
+	    bpf_skb_store_bytes(skb, 0, slot->data, SLOT_BOUND(len), 0))
 		return TC_ACT_SHOT;
 	slot->len = 0;
 	skb->mark = 0;
@@ -233,7 +236,7 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	u -= cfg->dup_ppm;
 	len = skb->len;
 	if (u < cfg->reorder_ppm && slot->len == 0 && len >= 14 && len <= KCCL_FAULT_SLOT) {
-		if (bpf_skb_load_bytes(skb, 0, slot->data, len))
+		if (bpf_skb_load_bytes(skb, 0, slot->data, SLOT_BOUND(len)))
 			goto pass;
 		slot->len = len;
 		stat_add(KCCL_FS_HELD);
