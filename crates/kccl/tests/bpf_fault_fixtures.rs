@@ -595,6 +595,14 @@ fn tc_fault_pinned_install_and_clear() {
     }
     let ns = format!("kccl-ffx-{}-pin", std::process::id());
     let _guard = NetnsGuard::up(ns.clone()).expect("namespace");
+    /// Unpins on drop (also when an assertion fails).
+    struct Unpin(String);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = fault::clear(Some(&self.0), "fxa");
+        }
+    }
+    let _unpin = Unpin(ns.clone());
     let dir = fault::pin_dir(Some(&ns), "fxa");
     let cfg = FaultConfig { loss_ppm: fault::PPM, dup_ppm: 0, reorder_ppm: 0, seed: 3 };
     let got = fault::install(Some(&ns), "fxa", &cfg).expect("install");
@@ -606,8 +614,8 @@ fn tc_fault_pinned_install_and_clear() {
         let s = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "bpftool link show: {s}");
     }
-    // Traffic through the attached injector: loss 100% drops pings? kccl
-    // only: send a kccl datagram from fxa and check the counter.
+    // Real traffic through the attached injector: kccl datagrams sent from
+    // fxa (static neighbour, so they leave at once) are counted and dropped.
     let sent = netns::run_in(Some(&ns), || {
         run_ok(&["ip", "addr", "add", "10.77.0.1/24", "dev", "fxa"]);
         run_ok(&["ip", "neigh", "add", "10.77.0.9", "lladdr", "02:00:00:00:00:09", "dev", "fxa", "nud", "permanent"]);
