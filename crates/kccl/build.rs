@@ -9,8 +9,12 @@ use std::process::Command;
 use libbpf_cargo::SkeletonBuilder;
 
 /// BPF programs: (source file in bpf/, skeleton module name).
-const PROGRAMS: &[(&str, &str)] =
-    &[("tc_bcast.bpf.c", "tc_bcast"), ("xdp_agg.bpf.c", "xdp_agg"), ("tc_agg_result.bpf.c", "tc_agg_result")];
+const PROGRAMS: &[(&str, &str)] = &[
+    ("tc_bcast.bpf.c", "tc_bcast"),
+    ("xdp_agg.bpf.c", "xdp_agg"),
+    ("tc_agg_result.bpf.c", "tc_agg_result"),
+    ("tc_fault.bpf.c", "tc_fault"),
+];
 
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));

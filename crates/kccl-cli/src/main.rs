@@ -45,6 +45,36 @@ enum Cmd {
     Bench(BenchCmd),
     /// Builds a 10-host cluster, runs broadcast through both paths, compares.
     Demo(demo::DemoArgs),
+    /// Inject loss, duplication and reordering of kccl packets at a host's egress
+    /// (stays installed after exit; --clear removes it, --stats prints counters).
+    Fault(FaultArgs),
+}
+
+#[derive(Args)]
+struct FaultArgs {
+    /// Host of the cluster (h3, 3 or the namespace name).
+    #[arg(long)]
+    host: String,
+    #[arg(long, default_value = "kccl")]
+    name: String,
+    /// Probability (0..1) that a kccl packet is dropped.
+    #[arg(long, default_value_t = 0.0)]
+    loss: f64,
+    /// Probability (0..1) that a kccl packet is sent twice.
+    #[arg(long, default_value_t = 0.0)]
+    dup: f64,
+    /// Probability (0..1) that a kccl packet is held and sent after the next one.
+    #[arg(long, default_value_t = 0.0)]
+    reorder: f64,
+    /// Seed of the decision sequence (reproducible per CPU).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Remove the injector from the host.
+    #[arg(long, conflicts_with_all = ["loss", "dup", "reorder", "seed", "stats"])]
+    clear: bool,
+    /// Print the injector's counters.
+    #[arg(long, conflicts_with_all = ["loss", "dup", "reorder", "seed"])]
+    stats: bool,
 }
 
 #[derive(Subcommand)]
@@ -177,6 +207,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Fault(a) => fault_cmd(a).map(|_| ExitCode::SUCCESS),
     }
 }
 
@@ -206,6 +237,40 @@ fn cluster_cmd(c: ClusterCmd) -> Result<ExitCode> {
             Ok(ExitCode::from(st.code().unwrap_or(1).clamp(0, 255) as u8))
         }
     }
+}
+
+fn fault_cmd(a: FaultArgs) -> Result<()> {
+    let (ns, iface) = cluster::host_target(&a.name, &a.host)?;
+    if a.clear {
+        if kccl::fault::clear(Some(&ns), &iface)? {
+            println!("fault injector removed from {} ({ns} {iface})", a.host);
+        } else {
+            println!("no fault injector on {} ({ns} {iface})", a.host);
+        }
+        return Ok(());
+    }
+    if a.stats {
+        let s = kccl::fault::pinned_stats(Some(&ns), &iface)?;
+        println!(
+            "{} ({ns} {iface}): seen {} dropped {} duplicated {} held {} released {} passed {}",
+            a.host, s.seen, s.dropped, s.duplicated, s.held, s.released, s.passed
+        );
+        return Ok(());
+    }
+    let cfg = kccl::fault::FaultConfig::from_fractions(a.loss, a.dup, a.reorder, a.seed)?;
+    let dir = kccl::fault::install(Some(&ns), &iface, &cfg)?;
+    println!(
+        "fault injector on {} ({ns} {iface} egress): loss {} dup {} reorder {} seed {} (pinned at {}; \
+         `kccl fault --host {} --clear` removes it)",
+        a.host,
+        a.loss,
+        a.dup,
+        a.reorder,
+        a.seed,
+        dir.display(),
+        a.host
+    );
+    Ok(())
 }
 
 /// Loads the group and, for a member of a local virtual cluster, enters its

@@ -630,6 +630,13 @@ fn resolve_host(name: &str, host: &str) -> Result<String> {
     }
 }
 
+/// The network namespace and interface of host `host` (h3, 3 or the
+/// namespace name) of cluster `name`.
+pub fn host_target(name: &str, host: &str) -> Result<(String, String)> {
+    validate_name(name)?;
+    Ok((resolve_host(name, host)?, HOST_IFACE.to_owned()))
+}
+
 /// Runs `argv` inside host `host` of cluster `name` with inherited stdio.
 ///
 /// The child enters the namespace with setns() between fork and exec instead

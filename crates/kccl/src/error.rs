@@ -78,6 +78,9 @@ pub enum Error {
          (hierarchical aggregation is a later roadmap item)"
     )]
     TooManyContributors { what: String, count: usize, first: u16, last: u16, base: u16 },
+
+    #[error("fault injector on {target}: {msg}")]
+    Fault { target: String, msg: String },
 }
 
 impl Error {
