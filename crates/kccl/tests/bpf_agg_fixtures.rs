@@ -36,8 +36,6 @@
 use std::collections::HashSet;
 use std::mem::{offset_of, size_of};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kccl::error::is_root;
@@ -49,6 +47,9 @@ use kccl::wire::{
     Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_RESULT, T_BCAST,
     VERSION,
 };
+
+mod support;
+use support::{csum_add, csum_fold, inet_csum, pseudo_sum, Capture, NetnsGuard};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -94,35 +95,6 @@ fn mask_of(ranks: &[u16]) -> u64 {
 
 // ---------------------------------------------------------------------------
 // Packet builder.
-
-fn csum_add(mut sum: u32, bytes: &[u8]) -> u32 {
-    let mut chunks = bytes.chunks_exact(2);
-    for c in &mut chunks {
-        sum += u32::from(u16::from_be_bytes([c[0], c[1]]));
-    }
-    if let [last] = chunks.remainder() {
-        sum += u32::from(*last) << 8;
-    }
-    sum
-}
-
-fn csum_fold(mut sum: u32) -> u16 {
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    sum as u16
-}
-
-fn inet_csum(bytes: &[u8]) -> u16 {
-    !csum_fold(csum_add(0, bytes))
-}
-
-fn pseudo_sum(saddr: Ipv4Addr, daddr: Ipv4Addr, udp_len: u16) -> u32 {
-    let mut s = csum_add(0, &saddr.octets());
-    s = csum_add(s, &daddr.octets());
-    s += 17;
-    s + u32::from(udp_len)
-}
 
 /// Ethernet + IPv4 + UDP frame.
 #[derive(Clone, Debug)]
@@ -1583,120 +1555,6 @@ fn xdp_agg_ns_per_packet() {
 
 // ---------------------------------------------------------------------------
 // tc_agg_result fixtures (namespace + veth + AF_PACKET capture).
-
-struct NetnsGuard {
-    name: String,
-}
-
-fn run(args: &[&str]) -> Result<(), String> {
-    let out = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{args:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("{args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    Ok(())
-}
-
-impl NetnsGuard {
-    fn up(name: String) -> Result<NetnsGuard, String> {
-        run(&["ip", "netns", "add", &name])?;
-        let g = NetnsGuard { name };
-        let n = g.name.as_str();
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])?;
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"])?;
-        run(&["ip", "-n", n, "link", "add", "fxa", "type", "veth", "peer", "name", "fxb"])?;
-        for dev in ["fxa", "fxb"] {
-            run(&["ip", "-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(g)
-    }
-}
-
-impl Drop for NetnsGuard {
-    fn drop(&mut self) {
-        if let Err(e) = run(&["ip", "netns", "del", &self.name]) {
-            eprintln!("warning: {e}");
-        }
-    }
-}
-
-/// AF_PACKET socket on one interface, nonblocking.
-struct Capture {
-    fd: OwnedFd,
-}
-
-impl Capture {
-    fn open(ifindex: u32) -> kccl::Result<Capture> {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        // SAFETY: plain socket(2); the fd is owned below.
-        let raw = unsafe {
-            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, i32::from(proto))
-        };
-        if raw < 0 {
-            return Err(kccl::Error::last_os("socket(AF_PACKET)"));
-        }
-        // SAFETY: raw is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: zeroed sockaddr_ll is valid; we fill family, protocol, ifindex.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: sll is a sockaddr_ll of the given size.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(kccl::Error::last_os("bind(AF_PACKET)"));
-        }
-        Ok(Capture { fd })
-    }
-
-    fn drain(&self, idle: Duration) -> kccl::Result<Vec<Vec<u8>>> {
-        let mut frames = Vec::new();
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, idle.as_millis() as libc::c_int) };
-            if n < 0 {
-                return Err(kccl::Error::last_os("poll(AF_PACKET)"));
-            }
-            if n == 0 {
-                return Ok(frames);
-            }
-            loop {
-                // SAFETY: zeroed sockaddr_ll is valid as an out parameter.
-                let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-                let mut flen = size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-                // SAFETY: buf and from are valid for the lengths given.
-                let r = unsafe {
-                    libc::recvfrom(
-                        self.fd.as_raw_fd(),
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        0,
-                        (&mut from as *mut libc::sockaddr_ll).cast(),
-                        &mut flen,
-                    )
-                };
-                if r < 0 {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() == std::io::ErrorKind::WouldBlock {
-                        break;
-                    }
-                    return Err(kccl::Error::io("recvfrom(AF_PACKET)", e));
-                }
-                if from.sll_pkttype != libc::PACKET_OUTGOING {
-                    frames.push(buf[..r as usize].to_vec());
-                }
-            }
-        }
-    }
-}
 
 /// The same frame addressed to contributor `rank` (what its copy must be).
 fn readdress(frame: &[u8], rank: u16) -> Vec<u8> {

@@ -40,8 +40,6 @@
 
 use std::mem::{offset_of, size_of};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kccl::error::is_root;
@@ -50,6 +48,9 @@ use kccl::kernel::{BcastFanout, BcastStats, MissEvent, MissReason, CLONE_MARK};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{Header, F_FANOUT, F_LAST_FRAG, T_BCAST, VERSION};
+
+mod support;
+use support::{csum_add, csum_fold, inet_csum, our_namespaces, pseudo_sum, run, Capture, NetnsGuard};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -88,37 +89,6 @@ fn member(rank: u16) -> Member {
 
 // ---------------------------------------------------------------------------
 // Packet builder.
-
-fn csum_add(mut sum: u32, bytes: &[u8]) -> u32 {
-    let mut chunks = bytes.chunks_exact(2);
-    for c in &mut chunks {
-        sum += u32::from(u16::from_be_bytes([c[0], c[1]]));
-    }
-    if let [last] = chunks.remainder() {
-        sum += u32::from(*last) << 8;
-    }
-    sum
-}
-
-fn csum_fold(mut sum: u32) -> u16 {
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    sum as u16
-}
-
-/// Ones' complement checksum of `bytes` (the value to store in a header).
-fn inet_csum(bytes: &[u8]) -> u16 {
-    !csum_fold(csum_add(0, bytes))
-}
-
-/// Sum of the IPv4 pseudo-header of a UDP datagram of `udp_len` bytes.
-fn pseudo_sum(saddr: Ipv4Addr, daddr: Ipv4Addr, udp_len: u16) -> u32 {
-    let mut s = csum_add(0, &saddr.octets());
-    s = csum_add(s, &daddr.octets());
-    s += 17;
-    s + u32::from(udp_len)
-}
 
 /// Ethernet + IPv4 + UDP frame.
 #[derive(Clone, Debug)]
@@ -729,153 +699,6 @@ fn fixtures() -> Vec<Fixture> {
 // ---------------------------------------------------------------------------
 // Harness.
 
-/// A private network namespace with the veth pair fxa/fxb; removed on drop.
-struct NetnsGuard {
-    name: String,
-}
-
-fn run(args: &[&str]) -> Result<(), String> {
-    let out = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{args:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("{args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    Ok(())
-}
-
-impl NetnsGuard {
-    fn up(name: String) -> Result<NetnsGuard, String> {
-        run(&["ip", "netns", "add", &name])?;
-        let g = NetnsGuard { name };
-        let n = g.name.as_str();
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])?;
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"])?;
-        run(&["ip", "-n", n, "link", "add", "fxa", "type", "veth", "peer", "name", "fxb"])?;
-        for dev in ["fxa", "fxb"] {
-            run(&["ip", "netns", "exec", n, "sysctl", "-qw", &format!("net.ipv6.conf.{dev}.disable_ipv6=1")])?;
-            run(&["ip", "-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(g)
-    }
-}
-
-impl Drop for NetnsGuard {
-    fn drop(&mut self) {
-        if let Err(e) = run(&["ip", "netns", "del", &self.name]) {
-            eprintln!("warning: {e}");
-        }
-    }
-}
-
-fn our_namespaces() -> Vec<String> {
-    let prefix = format!("kccl-fx-{}-", std::process::id());
-    std::fs::read_dir(netns::NETNS_RUN_DIR)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                .filter(|n| n.starts_with(&prefix))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn io_err(step: &str) -> kccl::Error {
-    kccl::Error::last_os(step.to_owned())
-}
-
-/// AF_PACKET/SOCK_RAW socket on one interface (all protocols), nonblocking.
-struct Capture {
-    fd: OwnedFd,
-}
-
-impl Capture {
-    fn open(ifindex: u32) -> kccl::Result<Capture> {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        // SAFETY: plain socket(2); the fd is owned below.
-        let raw = unsafe {
-            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, i32::from(proto))
-        };
-        if raw < 0 {
-            return Err(io_err("socket(AF_PACKET)"));
-        }
-        // SAFETY: raw is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let rcvbuf: libc::c_int = 4 << 20;
-        // SAFETY: valid fd, option value of the stated size.
-        unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                (&rcvbuf as *const libc::c_int).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
-        // SAFETY: zeroed sockaddr_ll is valid; we fill family, protocol, ifindex.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: sll is a sockaddr_ll of the given size.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io_err("bind(AF_PACKET, fxb)"));
-        }
-        Ok(Capture { fd })
-    }
-
-    /// Frames received (not sent) on the interface until it has been quiet
-    /// for `idle`.
-    fn drain(&self, idle: Duration) -> kccl::Result<Vec<Vec<u8>>> {
-        let mut frames = Vec::new();
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, idle.as_millis() as libc::c_int) };
-            if n < 0 {
-                return Err(io_err("poll(AF_PACKET)"));
-            }
-            if n == 0 {
-                return Ok(frames);
-            }
-            loop {
-                // SAFETY: zeroed sockaddr_ll is valid as an out parameter.
-                let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-                let mut flen = size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-                // SAFETY: buf and from are valid for the lengths given.
-                let r = unsafe {
-                    libc::recvfrom(
-                        self.fd.as_raw_fd(),
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        0,
-                        (&mut from as *mut libc::sockaddr_ll).cast(),
-                        &mut flen,
-                    )
-                };
-                if r < 0 {
-                    let e = std::io::Error::last_os_error();
-                    // ENETDOWN: reported once (then cleared) when bound to
-                    // a device that is down; nothing to capture there.
-                    if e.kind() == std::io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENETDOWN) {
-                        break;
-                    }
-                    return Err(kccl::Error::io("recvfrom(AF_PACKET)", e));
-                }
-                if from.sll_pkttype != libc::PACKET_OUTGOING {
-                    frames.push(buf[..r as usize].to_vec());
-                }
-            }
-        }
-    }
-}
-
 /// What one test run produced.
 struct Observed {
     fxa: u32,
@@ -1084,7 +907,7 @@ fn tc_bcast_fixture_table() {
         }
     }
     println!("{} fixtures, {} failed, {:?}", table.len(), failed.len(), t0.elapsed());
-    let left = our_namespaces();
+    let left = our_namespaces("kccl-fx-");
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
     assert!(failed.is_empty(), "{} of {} fixtures failed:\n{}", failed.len(), table.len(), failed.join("\n"));
 }

@@ -15,7 +15,6 @@
 //! root each test prints `SKIPPED <test>: needs root` and returns.
 
 use std::mem::{offset_of, size_of};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -24,6 +23,9 @@ use kccl::fault::{self, Decision, FaultConfig, FaultInjector, FaultRng, FaultSta
 use kccl::netns;
 use kccl::skel_fault::types::__sk_buff;
 
+mod support;
+use support::{inet_csum, our_namespaces, run, Capture, NetnsGuard};
+
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const MAGIC: u32 = 0x4b43_434c;
@@ -31,21 +33,13 @@ const MAGIC: u32 = 0x4b43_434c;
 // ---------------------------------------------------------------------------
 // Packets.
 
-fn csum(bytes: &[u8]) -> u16 {
-    let mut s: u32 = bytes.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum();
-    while s >> 16 != 0 {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
-}
-
 /// Ethernet/IPv4/UDP frame to 10.9.0.2:47002 with `payload` (UDP checksum 0).
 fn udp_frame(payload: &[u8], ip_id: u16) -> Vec<u8> {
     let mut f = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x08, 0x00];
     let tot = 20 + 8 + payload.len();
     let mut ip = vec![0x45, 0, (tot >> 8) as u8, tot as u8, (ip_id >> 8) as u8, ip_id as u8, 0x40, 0, 64, 17, 0, 0];
     ip.extend_from_slice(&[10, 9, 0, 1, 10, 9, 0, 2]);
-    let c = csum(&ip);
+    let c = inet_csum(&ip);
     ip[10..12].copy_from_slice(&c.to_be_bytes());
     f.extend_from_slice(&ip);
     let ulen = 8 + payload.len();
@@ -240,153 +234,6 @@ fn fixtures() -> Vec<Fixture> {
 // ---------------------------------------------------------------------------
 // Harness.
 
-/// A private network namespace with the veth pair fxa/fxb; removed on drop.
-struct NetnsGuard {
-    name: String,
-}
-
-fn run(args: &[&str]) -> Result<(), String> {
-    let out = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{args:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("{args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    Ok(())
-}
-
-impl NetnsGuard {
-    fn up(name: String) -> Result<NetnsGuard, String> {
-        run(&["ip", "netns", "add", &name])?;
-        let g = NetnsGuard { name };
-        let n = g.name.as_str();
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])?;
-        run(&["ip", "netns", "exec", n, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"])?;
-        run(&["ip", "-n", n, "link", "add", "fxa", "type", "veth", "peer", "name", "fxb"])?;
-        for dev in ["fxa", "fxb"] {
-            run(&["ip", "netns", "exec", n, "sysctl", "-qw", &format!("net.ipv6.conf.{dev}.disable_ipv6=1")])?;
-            run(&["ip", "-n", n, "link", "set", dev, "up"])?;
-        }
-        Ok(g)
-    }
-}
-
-impl Drop for NetnsGuard {
-    fn drop(&mut self) {
-        if let Err(e) = run(&["ip", "netns", "del", &self.name]) {
-            eprintln!("warning: {e}");
-        }
-    }
-}
-
-fn our_namespaces() -> Vec<String> {
-    let prefix = format!("kccl-ffx-{}-", std::process::id());
-    std::fs::read_dir(netns::NETNS_RUN_DIR)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
-                .filter(|n| n.starts_with(&prefix))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn io_err(step: &str) -> kccl::Error {
-    kccl::Error::last_os(step.to_owned())
-}
-
-/// AF_PACKET/SOCK_RAW socket on one interface (all protocols), nonblocking.
-struct Capture {
-    fd: OwnedFd,
-}
-
-impl Capture {
-    fn open(ifindex: u32) -> kccl::Result<Capture> {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        // SAFETY: plain socket(2); the fd is owned below.
-        let raw = unsafe {
-            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, i32::from(proto))
-        };
-        if raw < 0 {
-            return Err(io_err("socket(AF_PACKET)"));
-        }
-        // SAFETY: raw is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let rcvbuf: libc::c_int = 4 << 20;
-        // SAFETY: valid fd, option value of the stated size.
-        unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                (&rcvbuf as *const libc::c_int).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
-        // SAFETY: zeroed sockaddr_ll is valid; we fill family, protocol, ifindex.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: sll is a sockaddr_ll of the given size.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io_err("bind(AF_PACKET, fxb)"));
-        }
-        Ok(Capture { fd })
-    }
-
-    /// Frames received (not sent) on the interface until it has been quiet
-    /// for `idle`.
-    fn drain(&self, idle: Duration) -> kccl::Result<Vec<Vec<u8>>> {
-        let mut frames = Vec::new();
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd.
-            let n = unsafe { libc::poll(&mut pfd, 1, idle.as_millis() as libc::c_int) };
-            if n < 0 {
-                return Err(io_err("poll(AF_PACKET)"));
-            }
-            if n == 0 {
-                return Ok(frames);
-            }
-            loop {
-                // SAFETY: zeroed sockaddr_ll is valid as an out parameter.
-                let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-                let mut flen = size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-                // SAFETY: buf and from are valid for the lengths given.
-                let r = unsafe {
-                    libc::recvfrom(
-                        self.fd.as_raw_fd(),
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        0,
-                        (&mut from as *mut libc::sockaddr_ll).cast(),
-                        &mut flen,
-                    )
-                };
-                if r < 0 {
-                    let e = std::io::Error::last_os_error();
-                    // ENETDOWN: reported once (then cleared) when bound to
-                    // a device that is down; nothing to capture there.
-                    if e.kind() == std::io::ErrorKind::WouldBlock || e.raw_os_error() == Some(libc::ENETDOWN) {
-                        break;
-                    }
-                    return Err(kccl::Error::io("recvfrom(AF_PACKET)", e));
-                }
-                if from.sll_pkttype != libc::PACKET_OUTGOING {
-                    frames.push(buf[..r as usize].to_vec());
-                }
-            }
-        }
-    }
-}
-
 fn ctx_with(ifindex: u32, mark: u32) -> Vec<u8> {
     let mut ctx = vec![0u8; size_of::<__sk_buff>()];
     ctx[offset_of!(__sk_buff, ifindex)..][..4].copy_from_slice(&ifindex.to_ne_bytes());
@@ -523,7 +370,7 @@ fn tc_fault_fixture_table() {
         }
     }
     println!("{} fixtures, {} failed, {:?}", table.len(), failed.len(), t0.elapsed());
-    let left = our_namespaces();
+    let left = our_namespaces("kccl-ffx-");
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
     assert!(failed.is_empty(), "{} of {} fixtures failed:\n{}", failed.len(), table.len(), failed.join("\n"));
 }
