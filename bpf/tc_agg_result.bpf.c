@@ -41,14 +41,12 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
+#include "kccl_skb.h"
 #include "kccl_bcast.h"
 #include "kccl_agg.h"
 
 #define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
-#define ETH_P_IP	0x0800
-#define IP_MF		0x2000
-#define IP_OFFMASK	0x1fff
 
 /* Set by the loader before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
@@ -85,49 +83,23 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 		*v += n;
 }
 
-static __always_inline void agg_report_miss(__u32 job_id, __u32 msg_seq, __u32 frag_off,
-					    __u32 rank, __u16 why)
-{
-	struct kccl_miss_event ev = {
-		.job_id = job_id,
-		.msg_seq = msg_seq,
-		.frag_off = frag_off,
-		.rank = rank,
-		.reason = why,
-	};
-
-	bpf_ringbuf_output(&agg_miss_events, &ev, sizeof(ev), 0);
-}
-
 /* The shared clone-and-rewrite fan-out, on this program's maps. */
 #define KCCL_FANOUT_MEMBERS members
-#define KCCL_FANOUT_ON_MISS(f, rank, why) \
-	agg_report_miss((f)->job_id, (f)->msg_seq, (f)->frag_off, (rank), (why))
+#define KCCL_FANOUT_ON_MISS(f, rank, why) kccl_fanout_ring_miss(&agg_miss_events, (f), (rank), (why))
 #include "kccl_fanout.h"
 
 SEC("tcx/ingress")
 int kccl_tc_agg_result(struct __sk_buff *skb)
 {
-	struct ethhdr eth;
 	struct iphdr ip;
-	struct {
-		struct udphdr udp;
-		__u32 magic;
-	} __attribute__((packed)) l4;
+	struct kccl_l4 l4;
 	struct kccl_hdr h;
 	struct fanout f = {};
 	__u32 l4_off, udp_len, mask_base, flags_off;
 	__u16 new_flags;
 
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
-	    eth.h_proto != bpf_htons(ETH_P_IP) ||
-	    bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) ||
-	    ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_UDP ||
-	    (ip.frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
-		return TC_ACT_OK;
-	l4_off = sizeof(eth) + ip.ihl * 4;
-	if (bpf_skb_load_bytes(skb, l4_off, &l4, sizeof(l4)) ||
-	    l4.magic != bpf_htonl(KCCL_MAGIC) || l4.udp.source != bpf_htons(cfg_port))
+	l4_off = kccl_skb_l4(skb, &ip, &l4);
+	if (!l4_off || l4.udp.source != bpf_htons(cfg_port))
 		return TC_ACT_OK;
 	udp_len = bpf_ntohs(l4.udp.len);
 	if (udp_len < sizeof(struct udphdr) + KCCL_HDR_LEN || l4_off + udp_len > skb->len ||

@@ -31,13 +31,11 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
+#include "kccl_skb.h"
 #include "kccl_bcast.h"
 
 #define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
-#define ETH_P_IP	0x0800
-#define IP_MF		0x2000
-#define IP_OFFMASK	0x1fff
 
 /* Set by the runtime before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
@@ -77,36 +75,16 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 		*v += n;
 }
 
-static __always_inline void bcast_report_miss(__u32 job_id, __u32 msg_seq, __u32 frag_off,
-					      __u32 rank, __u16 why)
-{
-	struct kccl_miss_event ev = {
-		.job_id = job_id,
-		.msg_seq = msg_seq,
-		.frag_off = frag_off,
-		.rank = rank,
-		.reason = why,
-	};
-
-	/* If even the ring buffer is full the runtime still sees the counter. */
-	bpf_ringbuf_output(&miss_events, &ev, sizeof(ev), 0);
-}
-
 /* The shared clone-and-rewrite fan-out, on this program's maps. */
 #define KCCL_FANOUT_MEMBERS members
-#define KCCL_FANOUT_ON_MISS(f, rank, why) \
-	bcast_report_miss((f)->job_id, (f)->msg_seq, (f)->frag_off, (rank), (why))
+#define KCCL_FANOUT_ON_MISS(f, rank, why) kccl_fanout_ring_miss(&miss_events, (f), (rank), (why))
 #include "kccl_fanout.h"
 
 SEC("tcx/egress")
 int kccl_tc_bcast(struct __sk_buff *skb)
 {
-	struct ethhdr eth;
 	struct iphdr ip;
-	struct {
-		struct udphdr udp;
-		__u32 magic;
-	} __attribute__((packed)) l4;
+	struct kccl_l4 l4;
 	struct kccl_hdr h;
 	struct fanout f = {};
 	__u32 l4_off, udp_len, pay_len, mask_base;
@@ -115,15 +93,8 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	if (skb->mark == cfg_clone_mark)
 		return TC_ACT_OK;
 
-	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
-	    eth.h_proto != bpf_htons(ETH_P_IP) ||
-	    bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) ||
-	    ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_UDP ||
-	    (ip.frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
-		goto pass;
-	l4_off = sizeof(eth) + ip.ihl * 4;
-	if (bpf_skb_load_bytes(skb, l4_off, &l4, sizeof(l4)) ||
-	    l4.magic != bpf_htonl(KCCL_MAGIC))
+	l4_off = kccl_skb_l4(skb, &ip, &l4);
+	if (!l4_off)
 		goto pass;
 
 	/* From here on the packet claims to be kccl: anything wrong is malformed. */

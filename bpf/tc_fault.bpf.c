@@ -61,12 +61,10 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
+#include "kccl_skb.h"
 
 #define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
-#define ETH_P_IP	0x0800
-#define IP_MF		0x2000
-#define IP_OFFMASK	0x1fff
 
 #define KCCL_FAULT_SLOT	2048	/* largest packet that can be held, bytes */
 #define PPM		1000000ULL
@@ -171,12 +169,8 @@ static __always_inline int replay_held(struct __sk_buff *skb)
 SEC("tcx/egress")
 int kccl_tc_fault(struct __sk_buff *skb)
 {
-	struct ethhdr eth;
 	struct iphdr ip;
-	struct {
-		struct udphdr udp;
-		__u32 magic;
-	} __attribute__((packed)) l4;
+	struct kccl_l4 l4;
 	struct kccl_fault_cfg *cfg;
 	struct kccl_fault_rng *rng;
 	struct kccl_fault_slot *slot;
@@ -188,16 +182,10 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	if (skb->mark == cfg_release_mark)
 		return replay_held(skb);
 
-	if (skb->gso_size ||
-	    bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) ||
-	    eth.h_proto != bpf_htons(ETH_P_IP) ||
-	    bpf_skb_load_bytes(skb, sizeof(eth), &ip, sizeof(ip)) ||
-	    ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_UDP ||
-	    (ip.frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
+	if (skb->gso_size)
 		return TC_ACT_OK;
-	l4_off = sizeof(eth) + ip.ihl * 4;
-	if (bpf_skb_load_bytes(skb, l4_off, &l4, sizeof(l4)) ||
-	    l4.magic != bpf_htonl(KCCL_MAGIC))
+	l4_off = kccl_skb_l4(skb, &ip, &l4);
+	if (!l4_off)
 		return TC_ACT_OK;
 
 	cfg = bpf_map_lookup_elem(&fault_cfg, &zero);

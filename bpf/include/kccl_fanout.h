@@ -18,8 +18,8 @@
  *                                  kccl_member, KCCL_MAX_MEMBERS entries)
  *   KCCL_FANOUT_ON_MISS(f, r, why) optional: called (as a statement) for every
  *                                  destination rank r the fan-out could not
- *                                  serve, with struct fanout *f; e.g. a ring
- *                                  buffer report.  f->misses is counted here
+ *                                  serve, with struct fanout *f; e.g.
+ *                                  kccl_fanout_ring_miss(&ring, f, r, why).  f->misses is counted here
  *                                  in any case.
  * The including file also includes vmlinux.h, bpf_helpers.h and
  * kccl_bcast.h first.
@@ -46,6 +46,22 @@ struct fanout {
 	__u32 copies, misses;
 	bool original_sent;
 };
+
+/* A KCCL_FANOUT_ON_MISS body for programs that report misses on a ring
+ * buffer of struct kccl_miss_event.  If even the ring is full, the runtime
+ * still sees the program's miss counter. */
+static __always_inline void kccl_fanout_ring_miss(void *ring, const struct fanout *f, __u32 rank, __u16 why)
+{
+	struct kccl_miss_event ev = {
+		.job_id = f->job_id,
+		.msg_seq = f->msg_seq,
+		.frag_off = f->frag_off,
+		.rank = rank,
+		.reason = why,
+	};
+
+	bpf_ringbuf_output(ring, &ev, sizeof(ev), 0);
+}
 
 static __always_inline void report_miss(struct fanout *f, __u32 rank, __u16 why)
 {
