@@ -54,7 +54,8 @@ impl std::fmt::Display for Kind {
 pub struct AggRecord {
     pub kind: Kind,
     pub path: Path,
-    pub op: &'static str,
+    /// The op's wire name in lower case ("sum", ...).
+    pub op: String,
     pub dtype: &'static str,
     /// Ranks whose data crosses the network (the reduce root's own data is
     /// folded in by its runtime and not counted).
@@ -391,7 +392,7 @@ impl AggHarness {
         Ok(AggRecord {
             kind,
             path,
-            op: op_name(op),
+            op: op.to_string().to_lowercase(),
             dtype: "i32",
             senders,
             bytes: elems * 4,
@@ -431,16 +432,6 @@ fn enter_host(group: &Group, rank: u16) -> Result<()> {
 
 fn poisoned() -> Error {
     Error::Usage("a benchmark thread panicked while holding a lock".into())
-}
-
-pub fn op_name(op: AggOp) -> &'static str {
-    match op {
-        AggOp::Sum => "sum",
-        AggOp::Count => "count",
-        AggOp::Max => "max",
-        AggOp::Min => "min",
-        AggOp::Avg => "avg",
-    }
 }
 
 pub fn print_agg_row(r: &AggRecord) {
