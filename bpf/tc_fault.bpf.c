@@ -24,7 +24,7 @@
  *                                 dropped.  So the held packet leaves after a
  *                                 later one: reordering.
  * Every other packet (non-IP, non-UDP, fragments, no kccl magic, GSO) passes
- * untouched and is not counted.  Counters (per CPU, enum kccl_fault_stat):
+ * (TCX_NEXT) untouched and is not counted.  Counters (per CPU, enum kccl_fault_stat):
  * seen, dropped, duplicated, held, released, passed (kccl packets that went
  * out unharmed, including the ones that released a held packet).
  *
@@ -48,6 +48,10 @@
  *  - bpf_clone_redirect() to egress transmits synchronously on the same CPU:
  *    the marked clones re-enter this hook before it returns, which is what
  *    makes the per-CPU hold slot safe (no other user on this CPU meanwhile).
+ *  - It is appended LAST to the interface's TCX egress chain and passes with
+ *    TCX_NEXT, never TC_ACT_OK (which ends a TCX chain): the kccl programs
+ *    before it (tc_bcast's fan-out) run first, so the injector acts on the
+ *    copies that really leave the host, one decision per copy.
  *  - A held packet is released only by a later kccl packet passing on the
  *    same CPU; removing the injector loses it.  Packets longer than
  *    KCCL_FAULT_SLOT bytes are never held (they pass).
@@ -63,8 +67,10 @@
 #include "kccl_wire.h"
 #include "kccl_skb.h"
 
-#define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
+/* "Not mine, or passed unharmed": let the next program of the TCX chain run
+ * (TC_ACT_OK would end the chain; see "What it assumes"). */
+#define TCX_NEXT	-1
 
 #define KCCL_FAULT_SLOT	2048	/* largest packet that can be held, bytes */
 #define PPM		1000000ULL
@@ -163,7 +169,7 @@ static __always_inline int replay_held(struct __sk_buff *skb)
 	slot->len = 0;
 	skb->mark = 0;
 	stat_add(KCCL_FS_RELEASED);
-	return TC_ACT_OK;
+	return TCX_NEXT;
 }
 
 SEC("tcx/egress")
@@ -178,21 +184,21 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	__u64 z, u;
 
 	if (skb->mark == cfg_pass_mark)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	if (skb->mark == cfg_release_mark)
 		return replay_held(skb);
 
 	if (skb->gso_size)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	l4_off = kccl_skb_l4(skb, &ip, &l4);
 	if (!l4_off)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 
 	cfg = bpf_map_lookup_elem(&fault_cfg, &zero);
 	rng = bpf_map_lookup_elem(&fault_rng, &zero);
 	slot = bpf_map_lookup_elem(&fault_hold, &zero);
 	if (!cfg || !rng || !slot)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	stat_add(KCCL_FS_SEEN);
 
 	if (rng->epoch != cfg->epoch) {
@@ -219,7 +225,7 @@ int kccl_tc_fault(struct __sk_buff *skb)
 			stat_add(KCCL_FS_DUPLICATED);
 		skb->mark = mark;
 		stat_add(KCCL_FS_PASSED);
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	}
 	u -= cfg->dup_ppm;
 	len = skb->len;
@@ -233,13 +239,13 @@ int kccl_tc_fault(struct __sk_buff *skb)
 pass:
 	stat_add(KCCL_FS_PASSED);
 	if (slot->len == 0)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	/* Release after this packet: this one first (as a clone), then the
 	 * held one (a clone rewritten on re-entry), then drop the original. */
 	skb->mark = cfg_pass_mark;
 	if (bpf_clone_redirect(skb, skb->ifindex, 0)) {
 		skb->mark = mark;
-		return TC_ACT_OK;	/* could not send it first: send it normally */
+		return TCX_NEXT;	/* could not send it first: send it normally */
 	}
 	skb->mark = cfg_release_mark;
 	bpf_clone_redirect(skb, skb->ifindex, 0);

@@ -26,7 +26,8 @@ use kccl::skel_fault::types::__sk_buff;
 mod support;
 use support::{inet_csum, our_namespaces, run, Capture, NetnsGuard};
 
-const TC_ACT_OK: u32 = 0;
+/// tc_fault passes with TCX_NEXT (-1) so that later programs of the TCX chain still run.
+const TCX_NEXT: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const MAGIC: u32 = 0x4b43_434c;
 
@@ -118,19 +119,19 @@ fn fixtures() -> Vec<Fixture> {
         Fixture {
             name: "non-kccl UDP passes untouched under loss 100%",
             cfg: cfg(ALL, 0, 0),
-            steps: vec![step(not_kccl(), TC_ACT_OK, vec![])],
+            steps: vec![step(not_kccl(), TCX_NEXT, vec![])],
             stats: zero,
         },
         Fixture {
             name: "ARP passes untouched under loss 100%",
             cfg: cfg(ALL, 0, 0),
-            steps: vec![step(arp(), TC_ACT_OK, vec![])],
+            steps: vec![step(arp(), TCX_NEXT, vec![])],
             stats: zero,
         },
         Fixture {
             name: "non-kccl UDP is never duplicated or held",
             cfg: cfg(0, ALL / 2, ALL / 2),
-            steps: vec![step(not_kccl(), TC_ACT_OK, vec![]), step(not_kccl(), TC_ACT_OK, vec![])],
+            steps: vec![step(not_kccl(), TCX_NEXT, vec![]), step(not_kccl(), TCX_NEXT, vec![])],
             stats: zero,
         },
         Fixture {
@@ -142,19 +143,19 @@ fn fixtures() -> Vec<Fixture> {
         Fixture {
             name: "loss 0 passes kccl",
             cfg: cfg(0, 0, 0),
-            steps: vec![step(a.clone(), TC_ACT_OK, vec![]), step(b.clone(), TC_ACT_OK, vec![])],
+            steps: vec![step(a.clone(), TCX_NEXT, vec![]), step(b.clone(), TCX_NEXT, vec![])],
             stats: st(2, 0, 0, 0, 0, 2),
         },
         Fixture {
             name: "dup 100%: one captured copy equal to the input, original passes",
             cfg: cfg(0, ALL, 0),
-            steps: vec![step(a.clone(), TC_ACT_OK, vec![a.clone()])],
+            steps: vec![step(a.clone(), TCX_NEXT, vec![a.clone()])],
             stats: st(1, 0, 1, 0, 0, 1),
         },
         Fixture {
             name: "our pass mark passes untouched under loss 100%",
             cfg: cfg(ALL, 0, 0),
-            steps: vec![Step { mark: PASS_MARK, ..step(a.clone(), TC_ACT_OK, vec![]) }],
+            steps: vec![Step { mark: PASS_MARK, ..step(a.clone(), TCX_NEXT, vec![]) }],
             stats: zero,
         },
         Fixture {
@@ -169,7 +170,7 @@ fn fixtures() -> Vec<Fixture> {
             steps: vec![
                 step(a.clone(), TC_ACT_SHOT, vec![]),
                 Step { cfg: Some(cfg(0, 0, 0)), ..step(b.clone(), TC_ACT_SHOT, vec![b.clone(), a.clone()]) },
-                step(c.clone(), TC_ACT_OK, vec![]),
+                step(c.clone(), TCX_NEXT, vec![]),
             ],
             stats: st(3, 0, 0, 1, 1, 2),
         },
@@ -207,7 +208,7 @@ fn fixtures() -> Vec<Fixture> {
         Fixture {
             name: "a packet longer than the hold slot is never held",
             cfg: cfg(0, 0, ALL),
-            steps: vec![step(kccl(0x11, 2100), TC_ACT_OK, vec![])],
+            steps: vec![step(kccl(0x11, 2100), TCX_NEXT, vec![])],
             stats: st(1, 0, 0, 0, 0, 1),
         },
         Fixture {
@@ -215,7 +216,7 @@ fn fixtures() -> Vec<Fixture> {
             cfg: cfg(0, 0, ALL),
             steps: vec![
                 step(a.clone(), TC_ACT_SHOT, vec![]),
-                Step { cfg: Some(cfg(0, ALL, 0)), ..step(b.clone(), TC_ACT_OK, vec![b.clone()]) },
+                Step { cfg: Some(cfg(0, ALL, 0)), ..step(b.clone(), TCX_NEXT, vec![b.clone()]) },
                 Step { cfg: Some(cfg(0, 0, 0)), ..step(c.clone(), TC_ACT_SHOT, vec![c.clone(), a.clone()]) },
             ],
             stats: st(3, 0, 1, 1, 1, 2),
@@ -225,7 +226,7 @@ fn fixtures() -> Vec<Fixture> {
     v.push(Fixture {
         name: "non-kccl traffic does not release a held packet",
         cfg: cfg(0, 0, ALL),
-        steps: vec![step(a.clone(), TC_ACT_SHOT, vec![]), step(not_kccl(), TC_ACT_OK, vec![])],
+        steps: vec![step(a.clone(), TC_ACT_SHOT, vec![]), step(not_kccl(), TCX_NEXT, vec![])],
         stats: st(1, 0, 0, 1, 0, 0),
     });
     v
@@ -311,7 +312,7 @@ fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
         if r.verdict != s.verdict {
             errs.push(format!("step {i}: verdict {} (want {})", r.verdict, s.verdict));
         }
-        if r.verdict == TC_ACT_OK && r.output != s.input {
+        if r.verdict == TCX_NEXT && r.output != s.input {
             errs.push(format!(
                 "step {i}: passed packet modified: {} (input {})",
                 describe(&r.output),
