@@ -79,7 +79,27 @@ def cpu(records, png):
     fig.savefig(png, dpi=110)
 
 
-KINDS = {"broadcast": broadcast, "reduce": aggregation, "allreduce": aggregation, "cpu": cpu}
+def loss(records, png):
+    """Throughput under loss relative to no loss, per collective and path."""
+    colls = [c for c in ("reduce", "broadcast") if any(r["collective"] == c for r in records)]
+    fig, axes = plt.subplots(1, max(len(colls), 1), figsize=(6 * max(len(colls), 1), 4.8), squeeze=False)
+    for ax, c in zip(axes[0], colls):
+        for p in sorted({r["path"] for r in records}):
+            rows = sorted((r for r in records if r["collective"] == c and r["path"] == p), key=lambda r: r["loss"])
+            x = [r["loss"] * 100 for r in rows]
+            ax.plot(x, [r["relative"] for r in rows], marker="o", label=p)
+        ax.axhline(0.8, color="grey", linestyle=":", label="target 0.8x (kernel, 1%)")
+        ax.set_xscale("symlog", linthresh=0.01)
+        ax.set(title=f"{c}: throughput under loss (seed {records[0]['seed']})", xlabel="loss on every link (%)",
+               ylabel="x of no-loss throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+KINDS = {"broadcast": broadcast, "reduce": aggregation, "allreduce": aggregation, "cpu": cpu, "loss": loss}
 
 if __name__ == "__main__":
     kind, src, dst = sys.argv[1:4]

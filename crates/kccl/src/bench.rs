@@ -202,6 +202,19 @@ impl BcastHarness {
         }
     }
 
+    /// Broadcasts `data` to ranks 1..=n over the sender's current path and
+    /// waits until every receiver holds every byte (hash checked).  Returns
+    /// first send to the later of broadcast() returning and the last
+    /// receiving application returning the message, or None if some receiver
+    /// did not get it within `timeout`.
+    pub fn deliver(&self, b: &mut Broadcaster, data: &[u8], n: usize, timeout: Duration) -> Result<Option<Duration>> {
+        let dests: Vec<u16> = (1..=n as u16).collect();
+        let t0 = Instant::now();
+        let r = b.broadcast(data, &dests)?;
+        let sent = Instant::now();
+        Ok(self.wait(r.seq, n, data.len(), fnv1a(data), timeout)?.map(|c| c.app.max(sent).duration_since(t0)))
+    }
+
     /// Timed broadcasts of `size`-byte packets (header included) to ranks
     /// 1..=n, alternating paths in blocks so drift hits both alike.
     pub fn measure(

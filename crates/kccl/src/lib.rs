@@ -11,12 +11,13 @@
 //! - [`agg`]: reduce and allreduce (aggregation) over both paths;
 //! - [`fault`]: a fault injector (loss, duplication, reordering) for kccl packets;
 //! - [`cluster`]: a local virtual cluster of hosts in network namespaces;
-//! - [`bench`]: the benchmarks behind `kccl bench` and `kccl demo`.
+//! - [`bench`], [`bench_agg`], [`bench_loss`]: the benchmarks behind `kccl bench` and `kccl demo`.
 
 pub mod agg;
 pub mod bcast;
 pub mod bench;
 pub mod bench_agg;
+pub mod bench_loss;
 pub mod cluster;
 pub mod error;
 pub mod fault;
