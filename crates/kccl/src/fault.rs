@@ -12,6 +12,7 @@
 //! mount namespace, which setns of a network namespace does not change.
 //! Removing the link pin releases the link, which detaches the program.
 
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
@@ -290,13 +291,14 @@ fn target(netns: Option<&str>, iface: &str) -> String {
 pub fn install(netns: Option<&str>, iface: &str, cfg: &FaultConfig) -> Result<PathBuf> {
     cfg.validate()?;
     let dir = pin_dir(netns, iface);
-    if dir.join("link").exists() {
+    if dir.join("link").exists() && !link_detached(&dir.join("link")) {
         let map = MapHandle::from_pinned_path(dir.join("cfg")).map_err(bpf_err("opening the pinned fault_cfg"))?;
         write_cfg(&map, cfg)?;
         return Ok(dir);
     }
     if dir.exists() {
-        // Leftovers of an interrupted install: start over.
+        // Leftovers of an interrupted install, or of an interface that is
+        // gone (its namespace was deleted): start over.
         std::fs::remove_dir_all(&dir).map_err(|e| Error::io(format!("removing stale {}", dir.display()), e))?;
     }
     let (ns, ifc, c, d) = (netns.map(str::to_owned), iface.to_owned(), *cfg, dir.clone());
@@ -312,6 +314,28 @@ pub fn install(netns: Option<&str>, iface: &str, cfg: &FaultConfig) -> Result<Pa
         Ok(())
     })?;
     Ok(dir)
+}
+
+/// True if the pinned TCX link no longer has a device: its interface (or
+/// the whole namespace, e.g. a virtual cluster torn down) is gone, so
+/// reconfiguring it would inject nothing.  Unreadable pins count as live.
+fn link_detached(link_pin: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(link_pin.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: a NUL-terminated path.
+    let fd = unsafe { libbpf_rs::libbpf_sys::bpf_obj_get(c.as_ptr()) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut info = libbpf_rs::libbpf_sys::bpf_link_info::default();
+    let mut len = std::mem::size_of_val(&info) as u32;
+    // SAFETY: valid fd, info buffer and its length.
+    let r = unsafe { libbpf_rs::libbpf_sys::bpf_link_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len) };
+    // SAFETY: for a TCX link the kernel fills the tcx member of the union.
+    r == 0
+        && info.type_ == libbpf_rs::libbpf_sys::BPF_LINK_TYPE_TCX
+        && unsafe { info.__bindgen_anon_1.tcx.ifindex } == 0
 }
 
 /// Removes a pinned injector (the link is released, so the program detaches;
@@ -332,6 +356,12 @@ pub fn pinned_stats(netns: Option<&str>, iface: &str) -> Result<FaultStats> {
         return Err(Error::Fault {
             target: target(netns, iface),
             msg: format!("no fault injector installed (nothing pinned at {})", dir.display()),
+        });
+    }
+    if link_detached(&dir.join("link")) {
+        return Err(Error::Fault {
+            target: target(netns, iface),
+            msg: format!("the injector pinned at {} lost its interface (stale pin); clear it", dir.display()),
         });
     }
     let map = MapHandle::from_pinned_path(dir.join("stats")).map_err(bpf_err("opening the pinned fault_stats"))?;

@@ -463,19 +463,8 @@ fn tc_fault_pinned_install_and_clear() {
         assert!(o.status.success(), "bpftool link show: {s}");
     }
     // Real traffic through the attached injector: kccl datagrams sent from
-    // fxa (static neighbour, so they leave at once) are counted and dropped.
-    let sent = netns::run_in(Some(&ns), || {
-        run_ok(&["ip", "addr", "add", "10.77.0.1/24", "dev", "fxa"]);
-        run_ok(&["ip", "neigh", "add", "10.77.0.9", "lladdr", "02:00:00:00:00:09", "dev", "fxa", "nud", "permanent"]);
-        let s = std::net::UdpSocket::bind("10.77.0.1:0").map_err(|e| kccl::Error::io("bind", e))?;
-        let mut p = MAGIC.to_be_bytes().to_vec();
-        p.resize(60, 0);
-        for _ in 0..5 {
-            s.send_to(&p, "10.77.0.9:47000").map_err(|e| kccl::Error::io("send", e))?;
-        }
-        Ok(())
-    });
-    sent.expect("sending kccl datagrams");
+    // fxa are counted and dropped.
+    send_kccl(&ns, 5).expect("sending kccl datagrams");
     let stats = fault::pinned_stats(Some(&ns), "fxa").expect("pinned stats");
     println!("pinned injector counters after 5 kccl datagrams at loss 100%: {stats:?}");
     assert_eq!((stats.seen, stats.dropped), (5, 5), "{stats:?}");
@@ -485,6 +474,64 @@ fn tc_fault_pinned_install_and_clear() {
     assert!(!dir.exists());
     assert!(!fault::clear(Some(&ns), "fxa").expect("second clear"));
     assert!(fault::pinned_stats(Some(&ns), "fxa").is_err());
+}
+
+/// Sends `n` kccl datagrams out of fxa in `ns` (static neighbour, so they
+/// leave at once).
+fn send_kccl(ns: &str, n: usize) -> kccl::Result<()> {
+    netns::run_in(Some(ns), move || {
+        run_ok(&["ip", "addr", "replace", "10.77.0.1/24", "dev", "fxa"]);
+        run_ok(&[
+            "ip",
+            "neigh",
+            "replace",
+            "10.77.0.9",
+            "lladdr",
+            "02:00:00:00:00:09",
+            "dev",
+            "fxa",
+            "nud",
+            "permanent",
+        ]);
+        let s = std::net::UdpSocket::bind("10.77.0.1:0").map_err(|e| kccl::Error::io("bind", e))?;
+        let mut p = MAGIC.to_be_bytes().to_vec();
+        p.resize(60, 0);
+        for _ in 0..n {
+            s.send_to(&p, "10.77.0.9:47000").map_err(|e| kccl::Error::io("send", e))?;
+        }
+        Ok(())
+    })
+}
+
+/// A pin left behind by a namespace that was deleted (a torn-down cluster)
+/// must not swallow the next install under the same name: reconfiguring the
+/// stale pin would inject nothing.
+#[test]
+fn tc_fault_stale_pin_is_replaced() {
+    if !is_root() {
+        println!("SKIPPED tc_fault_stale_pin_is_replaced: needs root (TCX attach, bpffs)");
+        return;
+    }
+    let ns = format!("kccl-ffx-{}-stale", std::process::id());
+    struct Unpin(String);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = fault::clear(Some(&self.0), "fxa");
+        }
+    }
+    let _unpin = Unpin(ns.clone());
+    let cfg = FaultConfig { loss_ppm: fault::PPM, dup_ppm: 0, reorder_ppm: 0, seed: 5 };
+    {
+        let _guard = NetnsGuard::up(ns.clone()).expect("namespace");
+        fault::install(Some(&ns), "fxa", &cfg).expect("install");
+    } // namespace (and interface) deleted; the pin stays
+    let err = fault::pinned_stats(Some(&ns), "fxa").expect_err("stats of a stale pin");
+    assert!(err.to_string().contains("stale pin"), "{err}");
+    let _guard = NetnsGuard::up(ns.clone()).expect("namespace again");
+    fault::install(Some(&ns), "fxa", &cfg).expect("install over the stale pin");
+    send_kccl(&ns, 3).expect("sending kccl datagrams");
+    let stats = fault::pinned_stats(Some(&ns), "fxa").expect("pinned stats");
+    assert_eq!((stats.seen, stats.dropped), (3, 3), "the new injector must act: {stats:?}");
 }
 
 fn run_ok(args: &[&str]) {
