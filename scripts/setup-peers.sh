@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs the peers kccl's benchmarks compare with: Gloo (Debian's python3-torch, through
+# torch.distributed) and Open MPI 4.1 with mpi4py. They install into /usr/bin/python3 (pyenv's
+# python3 on PATH does not see them), which is what bench/peers/*.py run under.
+# Idempotent and quiet: checks first, installs only what is missing.
+set -euo pipefail
+
+pkgs=(python3-torch python3-mpi4py openmpi-bin python3-numpy)
+pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+
+need=()
+for p in "${pkgs[@]}"; do
+  pkg_installed "$p" || need+=("$p")
+done
+
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup-peers: installing ${need[*]} (about 1-3 minutes, ~1 GB)"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
+      echo "setup-peers: need root to install: apt-get install ${need[*]}" >&2
+      exit 1
+    fi
+  fi
+  $SUDO apt-get update -qq
+  # Recommends are left out: python3-torch recommends build tooling the peers do not use.
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# Check that what the peers import works under the interpreter they run with.
+if ! /usr/bin/python3 -c 'import torch.distributed, mpi4py.MPI, numpy' 2>/dev/null; then
+  echo "setup-peers: /usr/bin/python3 cannot import torch.distributed, mpi4py.MPI and numpy after install" >&2
+  exit 1
+fi
+command -v mpirun >/dev/null 2>&1 || { echo "setup-peers: mpirun missing after install" >&2; exit 1; }
+echo "setup-peers: ok"
