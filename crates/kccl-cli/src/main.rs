@@ -17,6 +17,7 @@ use kccl::{netns, Error, Result};
 
 mod agg_cmd;
 mod demo;
+mod peers_cmd;
 
 #[derive(Parser)]
 #[command(name = "kccl", version, about = "In-kernel collective communication (eBPF) for ordinary Linux hosts")]
@@ -163,6 +164,8 @@ enum BenchCmd {
     Allreduce(agg_cmd::BenchAggArgs),
     /// Aggregator CPU use vs number of senders at a paced load, kernel vs user path.
     Cpu(agg_cmd::BenchCpuArgs),
+    /// Gloo or Open MPI doing the same collective on a virtual cluster (`make setup-peers` installs them).
+    Peers(peers_cmd::PeersArgs),
 }
 
 #[derive(Args)]
@@ -206,6 +209,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(BenchCmd::Reduce(a)) => agg_cmd::bench(Kind::Reduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Peers(a)) => peers_cmd::run(a),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
         Cmd::Fault(a) => fault_cmd(a).map(|_| ExitCode::SUCCESS),
     }

@@ -17,6 +17,7 @@ pub mod agg;
 pub mod bcast;
 pub mod bench;
 pub mod bench_agg;
+pub mod bench_peers;
 pub mod cluster;
 pub mod error;
 pub mod fault;
