@@ -596,6 +596,11 @@ fn launch_mpi(
         // broadcast on 4 ranks: 12 ms instead of 90 us). Open MPI sets this
         // itself when it knows a node is oversubscribed.
         ("mpi_yield_when_idle", "1".into()),
+        // Every orted started by mpirun and talking straight to it: with the
+        // default radix routing tree, 10 hosts already failed here
+        // (errmgr "no-path"; Open MPI's message suggests routed=direct).
+        ("routed", "direct".into()),
+        ("plm_rsh_no_tree_spawn", "1".into()),
     ];
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &hosts[0].netns, "mpirun", "--allow-run-as-root", "-np"])
@@ -611,7 +616,7 @@ fn launch_mpi(
     let launch = format!(
         "ip netns exec {} mpirun -np {} --hostfile <one addr per host, slots=1> --map-by node --bind-to none \
          --mca plm_rsh_agent <ip netns exec agent> --mca btl tcp,self --mca btl_tcp_if_include {iface} \
-         --mca oob_tcp_if_include {iface} --mca mpi_yield_when_idle 1 {PYTHON} mpi_peer.py",
+         --mca oob_tcp_if_include {iface} --mca mpi_yield_when_idle 1 --mca routed direct --mca plm_rsh_no_tree_spawn 1 {PYTHON} mpi_peer.py",
         hosts[0].netns,
         hosts.len()
     );
