@@ -809,4 +809,11 @@ mod tests {
         }
         assert!("nccl".parse::<Peer>().is_err());
     }
+
+    #[test]
+    fn missing_peer_says_how_to_install() {
+        let e = PeerError::Missing { peer: Peer::Mpi, detail: "mpirun not found on PATH".into() };
+        let m = e.to_string();
+        assert!(m.contains("make setup-peers") && m.contains("mpi peer") && m.contains("mpirun not found"), "{m}");
+    }
 }
