@@ -5,10 +5,14 @@ CARGO ?= cargo
 KCCL := target/release/kccl
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup build demo test test-unit test-root lint bench-smoke clean
+.PHONY: setup setup-peers build demo test test-unit test-root lint bench-smoke clean
 
 setup:
 	@bash scripts/setup.sh
+
+# Gloo (python3-torch) and Open MPI (openmpi-bin, python3-mpi4py) for `kccl bench peers`.
+setup-peers:
+	@bash scripts/setup-peers.sh
 
 build: setup
 	$(CARGO) build --release --workspace

@@ -18,6 +18,7 @@ use kccl::{netns, Error, Result};
 mod agg_cmd;
 mod demo;
 mod loss_cmd;
+mod peers_cmd;
 
 #[derive(Parser)]
 #[command(name = "kccl", version, about = "In-kernel collective communication (eBPF) for ordinary Linux hosts")]
@@ -166,6 +167,8 @@ enum BenchCmd {
     Cpu(agg_cmd::BenchCpuArgs),
     /// Reduce and broadcast throughput under injected loss, relative to no loss, both paths.
     Loss(loss_cmd::BenchLossArgs),
+    /// Gloo or Open MPI doing the same collective on a virtual cluster (`make setup-peers` installs them).
+    Peers(peers_cmd::PeersArgs),
 }
 
 #[derive(Args)]
@@ -210,6 +213,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Loss(a)) => loss_cmd::bench(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Peers(a)) => peers_cmd::run(a),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
         Cmd::Fault(a) => fault_cmd(a).map(|_| ExitCode::SUCCESS),
     }

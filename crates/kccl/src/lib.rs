@@ -18,6 +18,7 @@ pub mod bcast;
 pub mod bench;
 pub mod bench_agg;
 pub mod bench_loss;
+pub mod bench_peers;
 pub mod cluster;
 pub mod error;
 pub mod fault;
