@@ -26,6 +26,10 @@
  *    the loop verifiable and the softirq time one packet holds the CPU short.
  *  - Every other packet (non-UDP, other ports, other jobs, no FANOUT flag,
  *    malformed kccl headers) passes untouched; malformed ones are counted.
+ *    kccl packets of the other types (aggregation, KCCL_T_BCAST_ACK) are
+ *    unicast and pass untouched (counted as passed) even with FANOUT set.
+ *  - Copies keep the sender's source MAC, IP and UDP port: receivers send
+ *    their KCCL_T_BCAST_ACKs back to that address.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -66,6 +70,7 @@ struct {
  * generated definitions (checked by its tests), not hand copies. */
 struct kccl_hdr kccl_hdr_layout;
 struct kccl_miss_event kccl_miss_event_layout;
+struct kccl_bcast_ack kccl_bcast_ack_layout;
 
 static __always_inline void stat_add(__u32 idx, __u64 n)
 {
@@ -104,8 +109,14 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
 		goto malformed;
 	pay_len = udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN;
-	if (h.version != KCCL_VERSION || h.type != KCCL_T_BCAST ||
-	    bpf_ntohs(h.payload_len) != pay_len)
+	if (h.version != KCCL_VERSION)
+		goto malformed;
+	/* Other kccl packets leaving this host (a receiver's broadcast ACKs,
+	 * aggregation traffic) are unicast: never fanned out, whatever their
+	 * flags say. */
+	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_BCAST_ACK)
+		goto pass;
+	if (h.type != KCCL_T_BCAST || bpf_ntohs(h.payload_len) != pay_len)
 		goto malformed;
 	if (!(h.flags & bpf_htons(KCCL_F_FANOUT)))
 		goto pass;
