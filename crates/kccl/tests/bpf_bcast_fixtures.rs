@@ -47,7 +47,7 @@ use kccl::group::Member;
 use kccl::kernel::{BcastFanout, BcastStats, MissEvent, MissReason, CLONE_MARK};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
-use kccl::wire::{Header, F_FANOUT, F_LAST_FRAG, T_BCAST, VERSION};
+use kccl::wire::{BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_BCAST, T_BCAST_ACK, VERSION};
 
 mod support;
 use support::{csum_add, csum_fold, inet_csum, our_namespaces, pseudo_sum, run, Capture, NetnsGuard};
@@ -559,8 +559,76 @@ fn fixtures() -> Vec<Fixture> {
     }
     {
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);
-        h.msg_type = 2;
-        t.push(untouched("malformed: type 2", kccl_udp(&h, 1).build(), malformed()));
+        h.msg_type = 0;
+        t.push(untouched("malformed: type 0", kccl_udp(&h, 1).build(), malformed()));
+    }
+    {
+        // An aggregation contribution leaving a host that also broadcasts is
+        // unicast: passed, even with FANOUT and a mask.
+        let mut h = header(mask_of(&[1, 2, 3], 0), 0);
+        h.msg_type = T_AGG;
+        t.push(untouched("type 2 (aggregation) with FANOUT: passed, not fanned out", kccl_udp(&h, 1).build(), passed()));
+    }
+
+    // 6b. Broadcast ACKs (KCCL_T_BCAST_ACK): a receiver's answer to the
+    // sender is unicast; tc_bcast never fans it out.
+    {
+        let ack = BcastAck {
+            pkt_bytes: PAYLOAD_LEN as u32,
+            npkts: 40,
+            cum: 16,
+            bm_first: 16,
+            bm_bits: 16,
+            flags: ACK_GAP,
+            bitmap: vec![0xf7, 0xff],
+        };
+        let mut body = Vec::new();
+        ack.encode(&mut body);
+        let h = Header {
+            version: VERSION,
+            msg_type: T_BCAST_ACK,
+            flags: 0,
+            job_id: JOB,
+            src_rank: 3,
+            mask_base: 0,
+            dst_mask: 1,
+            msg_seq: MSG_SEQ,
+            frag_off: 0,
+            msg_len: 40 * PAYLOAD_LEN as u32,
+            payload_len: body.len() as u16,
+            agg_op: 0,
+            dtype: 0,
+        };
+        let mut p = h.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(0), ip_of(0), 40_000, p.clone());
+        t.push(untouched("type 5 ACK to the sender's port: passed untouched", pkt.build(), passed()));
+        // A forged ACK asking for a fan-out to 1..9 is still just passed.
+        let mut forged = h;
+        forged.flags = F_FANOUT;
+        forged.dst_mask = mask_of(&(1..=9).collect::<Vec<u16>>(), 0);
+        let mut p = forged.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(1), ip_of(1), port_of(1), p);
+        t.push(untouched("type 5 ACK with FANOUT and mask 1..9: passed, not fanned out", pkt.build(), passed()));
+        // An ACK of another job: passed too (type checked before the job).
+        let mut other = h;
+        other.job_id = JOB + 1;
+        let mut p = other.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(0), ip_of(0), 40_000, p);
+        t.push(untouched("type 5 ACK of another job: passed", pkt.build(), passed()));
+    }
+    // 6c. A retransmission: a middle packet (no LAST_FRAG) whose mask holds
+    // exactly the receivers that reported it missing, 3 and 7 of 1..9:
+    // copies to 3 and 7 only, each keeping the sender's source address and
+    // port (where the receivers' ACKs go).
+    {
+        let mut h = header(mask_of(&[3, 7], 0), 0);
+        h.flags = F_FANOUT;
+        h.msg_len = FRAG_OFF + 3 * PAYLOAD_LEN as u32;
+        let pkt = kccl_udp(&h, 3);
+        t.push(fanout("retransmission to exactly ranks 3 and 7 of 1..9", resolved(1..=9), &pkt, &[3], Some(7)));
     }
     for claimed in [PAYLOAD_LEN - 1, PAYLOAD_LEN + 1, 0] {
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);

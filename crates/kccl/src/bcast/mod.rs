@@ -407,8 +407,9 @@ impl Broadcaster {
         let cfg = self.rel;
         let pkt = self.payload as u32;
         let npkts = data.len().div_ceil(self.payload).max(1) as u32;
-        // A report that crossed a retransmission in flight must not double it.
-        let holdoff = cfg.nak_delay.max(cfg.rto / 4);
+        // A report that crossed a transmission in flight (or was written
+        // before the packet arrived) must not double it.
+        let holdoff = (cfg.nak_delay * 2).max(cfg.rto / 2);
         let now = Instant::now();
         let mut peers: Vec<Peer> = targets.iter().map(|d| Peer::new(d.rank, npkts, now, cfg.rto)).collect();
         let index: HashMap<u16, usize> = targets.iter().enumerate().map(|(i, d)| (d.rank, i)).collect();
@@ -426,12 +427,16 @@ impl Broadcaster {
             if now >= deadline {
                 self.stats.unconfirmed += 1;
                 let missing: Vec<&Peer> = peers.iter().filter(|p| !p.complete).collect();
-                let detail = missing
+                let mut detail = missing
                     .iter()
                     .take(8)
                     .map(|p| format!("rank {} confirmed {}/{npkts} packets", p.rank, p.held.count()))
                     .collect::<Vec<_>>()
                     .join(", ");
+                detail += &format!(
+                    "; {} acknowledgments taken, {} packet copies re-sent, {} probe timeouts",
+                    report.acks, report.retransmitted, report.timeouts
+                );
                 return Err(Error::BroadcastUnconfirmed {
                     seq,
                     len: data.len(),

@@ -186,6 +186,12 @@ pub struct Assembly {
     reports_idle: u32,
 }
 
+/// A hole below a held packet is reported after `nak_delay`; missing packets
+/// above the highest held one only after `TAIL_FACTOR * nak_delay` without
+/// any new packet: a sender (or this receiver's thread) that is merely slow
+/// must not be asked to re-send the rest of a large message.
+pub const TAIL_FACTOR: u32 = 8;
+
 /// Gap reports a receiver sends for one message without receiving anything
 /// new before it gives up reporting it (it stays buffered until evicted).
 pub const MAX_IDLE_REPORTS: u32 = 64;
@@ -349,7 +355,7 @@ impl Assembly {
         if self.reports_idle >= MAX_IDLE_REPORTS {
             return None;
         }
-        let idle = self.last_arrival + cfg.nak_delay;
+        let idle = self.last_arrival + cfg.nak_delay * TAIL_FACTOR;
         let due = match self.gap_since {
             Some(g) => (g + cfg.nak_delay).min(idle),
             None => idle,
@@ -376,7 +382,7 @@ impl Assembly {
             return vec![self.ack(ACK_GAP, 0, 0)];
         }
         let n = self.held.len();
-        let idle = now >= self.last_arrival + cfg.nak_delay;
+        let idle = now >= self.last_arrival + cfg.nak_delay * TAIL_FACTOR;
         let limit = if idle { n } else { self.top };
         let g = cfg.ack_group.min(ACK_MAX_BITS as u32);
         let mut out = Vec::new();
@@ -425,6 +431,10 @@ pub struct Peer {
     pub rank: u16,
     /// Packets the receiver confirmed.
     pub held: Bits,
+    /// When every packet was last sent to it as a whole (the first
+    /// transmission): the re-send holdoff of a packet runs from here until
+    /// it is re-sent individually.
+    sent_all: Instant,
     pub complete: bool,
     /// Last valid ACK or last packet sent to it: the probe timer runs from
     /// the later of the two.
@@ -442,6 +452,7 @@ impl Peer {
         Peer {
             rank,
             held: Bits::new(npkts),
+            sent_all: now,
             complete: false,
             last_event: now,
             rto,
@@ -498,13 +509,12 @@ impl Peer {
                 break;
             }
             at = i + 1;
-            match self.retx_at.get(&i) {
-                Some(&t) if now < t + holdoff => continue,
-                _ => {
-                    self.retx_at.insert(i, now);
-                    out.push(i);
-                }
+            let last_sent = self.retx_at.get(&i).copied().unwrap_or(self.sent_all);
+            if now < last_sent + holdoff {
+                continue; // possibly still in flight (or the report predates it)
             }
+            self.retx_at.insert(i, now);
+            out.push(i);
         }
         Ok(out)
     }
@@ -633,25 +643,29 @@ mod tests {
         assert_eq!((r[0].bm_first, r[0].bm_bits, r[0].flags, r[0].cum), (0, 8, ACK_GAP, 3));
         assert_eq!(r[0].bitmap, vec![0b0111_0111]);
         assert!(a.gap_reports(t + c.nak_delay, &c).is_empty(), "one report per nak_delay");
-        // Idle: every group with a hole, up to the end.
-        let r = a.gap_reports(t + 3 * c.nak_delay, &c);
+        // Idle (no new packet for TAIL_FACTOR x nak_delay): every group with
+        // a hole, up to the end.
+        let r = a.gap_reports(soon + c.nak_delay * TAIL_FACTOR, &c);
         let ranges: Vec<(u32, u16)> = r.iter().map(|k| (k.bm_first, k.bm_bits)).collect();
         assert_eq!(ranges, vec![(0, 8), (8, 8), (16, 4)]);
         assert_eq!(r[1].bitmap, vec![0b0000_0111]);
         assert_eq!(r[2].bitmap, vec![0]);
         // The sender side turns that into exactly the missing packets.
+        let hold = Duration::from_millis(5);
         let mut p = Peer::new(1, 20, t, c.rto);
+        // Within the holdoff of the first transmission: maybe in flight.
+        assert!(p.apply(&r[0], 100, t + hold / 2, &c, hold).unwrap().is_empty());
+        let t1 = t + hold;
         let mut missing = Vec::new();
         for k in &r {
-            missing.extend(p.apply(k, 100, t, &c, Duration::from_millis(5)).expect("valid"));
+            missing.extend(p.apply(k, 100, t1, &c, hold).expect("valid"));
         }
         let want: Vec<u32> = [3, 7].into_iter().chain(11..20).collect();
         assert_eq!(missing, want);
         // The same report again right away: held off (in flight).
-        assert!(p.apply(&r[0], 100, t, &c, Duration::from_millis(5)).unwrap().is_empty());
+        assert!(p.apply(&r[0], 100, t1, &c, hold).unwrap().is_empty());
         // After the holdoff it is re-sent.
-        let later = t + Duration::from_millis(6);
-        assert_eq!(p.apply(&r[0], 100, later, &c, Duration::from_millis(5)).unwrap(), vec![3, 7]);
+        assert_eq!(p.apply(&r[0], 100, t1 + hold, &c, hold).unwrap(), vec![3, 7]);
     }
 
     #[test]
@@ -663,7 +677,7 @@ mod tests {
         let mut now = t;
         let mut sent = 0;
         for _ in 0..1000 {
-            now += c.nak_delay;
+            now += c.nak_delay * TAIL_FACTOR;
             sent += a.gap_reports(now, &c).len();
         }
         assert_eq!(sent, MAX_IDLE_REPORTS as usize);
@@ -678,7 +692,8 @@ mod tests {
         let c = cfg(8);
         let mut a = Assembly::new(250, t);
         a.ingest(200, &[0; 50], t);
-        let r = a.gap_reports(t + c.nak_delay, &c);
+        assert!(a.gap_reports(t + c.nak_delay, &c).is_empty(), "the tail waits longer");
+        let r = a.gap_reports(t + c.nak_delay * TAIL_FACTOR, &c);
         assert_eq!(r.len(), 1);
         assert_eq!((r[0].pkt_bytes, r[0].bm_bits, r[0].cum, r[0].flags), (0, 0, 0, ACK_GAP));
         let mut p = Peer::new(2, 3, t, c.rto);
