@@ -262,6 +262,11 @@ impl Broadcaster {
         self.rel
     }
 
+    /// The sending socket's address: receivers' acknowledgments come here.
+    pub fn local_addr(&self) -> Result<SocketAddrV4> {
+        self.sock.local_addr()
+    }
+
     pub fn fanout(&self) -> Option<&BcastFanout> {
         self.fanout.as_ref()
     }
