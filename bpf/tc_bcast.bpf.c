@@ -38,8 +38,12 @@
 #include "kccl_skb.h"
 #include "kccl_bcast.h"
 
-#define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
+/* TCX_NEXT (TC_ACT_UNSPEC): the packet goes on to the next program of the
+ * TCX chain (e.g. tc_fault behind us), and out if there is none.  TC_ACT_OK
+ * would end the chain: a fault injector attached after tc_bcast would then
+ * never see a broadcast packet.  The runtime attaches tc_bcast at the head. */
+#define TCX_NEXT	(-1)
 
 /* Set by the runtime before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
@@ -96,7 +100,7 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 
 	/* Our own copies re-enter this hook after bpf_clone_redirect(). */
 	if (skb->mark == cfg_clone_mark)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 
 	l4_off = kccl_skb_l4(skb, &ip, &l4);
 	if (!l4_off)
@@ -122,7 +126,7 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 		goto pass;
 	if (bpf_ntohl(h.job_id) != cfg_job_id) {
 		stat_add(KCCL_BS_OTHER_JOB, 1);
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	}
 	mask_base = bpf_ntohs(h.mask_base);
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
@@ -146,14 +150,14 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	stat_add(KCCL_BS_COPIES, f.copies);
 	if (f.misses)
 		stat_add(KCCL_BS_MISSED, f.misses);
-	return f.original_sent ? TC_ACT_OK : TC_ACT_SHOT;
+	return f.original_sent ? TCX_NEXT : TC_ACT_SHOT;
 
 malformed:
 	stat_add(KCCL_BS_MALFORMED, 1);
-	return TC_ACT_OK;
+	return TCX_NEXT;
 pass:
 	stat_add(KCCL_BS_PASSED, 1);
-	return TC_ACT_OK;
+	return TCX_NEXT;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

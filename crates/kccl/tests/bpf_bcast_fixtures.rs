@@ -16,7 +16,7 @@
 //!   |     |                                       (ETH_P_ALL, bound fxb, |
 //!   |     |  the original skb is not transmitted:  captures the clones)  |
 //!   |     v  its final bytes come back as data_out                       |
-//!   | verdict (TC_ACT_OK / TC_ACT_SHOT), data_out, ctx_out (mark, dev)   |
+//!   | verdict (TCX_NEXT / TC_ACT_SHOT), data_out, ctx_out (mark, dev)   |
 //!   +--------------------------------------------------------------------+
 //! ```
 //!
@@ -52,7 +52,9 @@ use kccl::wire::{BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_BCAS
 mod support;
 use support::{csum_add, csum_fold, inet_csum, our_namespaces, pseudo_sum, run, Capture, NetnsGuard};
 
-const TC_ACT_OK: u32 = 0;
+/// TCX_NEXT (-1): tc_bcast hands every packet it lets out on to the next
+/// program of the TCX chain (a fault injector behind it must see them).
+const TCX_NEXT: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 
 const JOB: u32 = 7;
@@ -324,7 +326,7 @@ fn untouched(name: &str, input: Vec<u8>, stats: BcastStats) -> Fixture {
         output: input.clone(),
         input,
         mark: 0,
-        verdict: TC_ACT_OK,
+        verdict: TCX_NEXT,
         copies: vec![],
         out_mark: 0,
         stats,
@@ -356,7 +358,7 @@ fn fanout(name: &str, members: Vec<(u16, Option<[u8; 6]>)>, pkt: &Udp4, clones: 
         output: last.map(|r| pkt.to_rank(r).build()).unwrap_or_else(|| input.clone()),
         input,
         mark: 0,
-        verdict: if last.is_some() { TC_ACT_OK } else { TC_ACT_SHOT },
+        verdict: if last.is_some() { TCX_NEXT } else { TC_ACT_SHOT },
         out_mark: CLONE_MARK,
         stats: BcastStats { fanout_pkts: 1, copies: served, ..Default::default() },
         misses: vec![],
@@ -866,7 +868,7 @@ fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
 
     let mut errs = Vec::new();
     let verdict_name = |v: u32| match v {
-        TC_ACT_OK => "TC_ACT_OK".to_string(),
+        TCX_NEXT => "TCX_NEXT".to_string(),
         TC_ACT_SHOT => "TC_ACT_SHOT".to_string(),
         x => format!("{x}"),
     };
@@ -926,7 +928,7 @@ fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
                 errs.push(format!("captured frame {i} ({}): {e}", describe(c)));
             }
         }
-        if fx.verdict == TC_ACT_OK {
+        if fx.verdict == TCX_NEXT {
             if let Err(e) = verify_checksums(&o.output) {
                 errs.push(format!("output skb ({}): {e}", describe(&o.output)));
             }

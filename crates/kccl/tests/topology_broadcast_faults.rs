@@ -193,8 +193,8 @@ impl Drop for Rx {
     }
 }
 
-/// Each receiver holds exactly `want` (seq i = message i), each once.
-fn check_all(got: &BTreeMap<u16, (Vec<Message>, RecvStats)>, want: &[Vec<u8>], what: &str) -> Vec<String> {
+/// Each receiver holds exactly `want` (seq base + i = message i), each once.
+fn check_all(got: &BTreeMap<u16, (Vec<Message>, RecvStats)>, base: u32, want: &[Vec<u8>], what: &str) -> Vec<String> {
     let mut bad = Vec::new();
     for (rank, (msgs, st)) in got {
         let mut seen = BTreeMap::new();
@@ -202,8 +202,9 @@ fn check_all(got: &BTreeMap<u16, (Vec<Message>, RecvStats)>, want: &[Vec<u8>], w
             if m.src_rank != 0 {
                 bad.push(format!("{what}: rank {rank}: message from rank {}", m.src_rank));
             }
-            *seen.entry(m.seq).or_insert(0) += 1;
-            match want.get(m.seq as usize) {
+            let i = m.seq.wrapping_sub(base);
+            *seen.entry(i).or_insert(0) += 1;
+            match want.get(i as usize) {
                 None => bad.push(format!("{what}: rank {rank}: unexpected seq {}", m.seq)),
                 Some(w) if m.data.len() != w.len() || fnv1a(&m.data) != fnv1a(w) => bad.push(format!(
                     "{what}: rank {rank}: message {}: {} bytes fnv {:016x}, expected {} bytes fnv {:016x}",
@@ -263,12 +264,13 @@ fn run_case(test: &str, prefix: &str, case: &Case) {
         let msgs = messages(s);
         let faults = Faults::install(&at, &cfg);
         let t0 = Instant::now();
-        let (reports, st) = on_host(&cluster::host_netns(&name, 0), || {
+        let (reports, st, base) = on_host(&cluster::host_netns(&name, 0), || {
             let choice = if path == Path::Kernel { PathChoice::Kernel } else { PathChoice::User };
             let mut b = Broadcaster::new(&group, 0, choice).unwrap_or_else(|e| panic!("{e}"));
             b.set_reliability(rel).expect("config");
+            let base = b.next_seq();
             let r: Vec<Result<_, Error>> = msgs.iter().map(|m| b.broadcast(m, &RECEIVERS)).collect();
-            (r, b.stats())
+            (r, b.stats(), base)
         });
         let elapsed = t0.elapsed();
         let fs = faults.stats();
@@ -282,7 +284,7 @@ fn run_case(test: &str, prefix: &str, case: &Case) {
                 Err(e) => bad.push(format!("{what}: broadcast of message {i}: {e}")),
             }
         }
-        bad.extend(check_all(&got, &msgs, &what));
+        bad.extend(check_all(&got, base, &msgs, &what));
         if case.loss >= 0.01 && (fs.dropped == 0 || st.retransmitted == 0) {
             bad.push(format!("{what}: expected drops and retransmissions: faults {fs:?}, sender {st:?}"));
         }
@@ -416,17 +418,20 @@ fn e_dead_receiver_mid_message() {
     let (first, took, second) = on_host(&cluster::host_netns(&name, 0), || {
         let mut b = Broadcaster::new(&group, 0, PathChoice::Kernel).unwrap_or_else(|e| panic!("{e}"));
         b.set_reliability(rel).expect("config");
+        let base = b.next_seq();
         let t = Instant::now();
         let first = b.broadcast(&big, &RECEIVERS);
         let took = t.elapsed();
-        (first, took, b.broadcast(&small, &live))
+        (first, took, (b.broadcast(&small, &live), base))
     });
+    let (second, base) = second;
     dying.join().expect("rank 4 thread");
     let got_before_stop = stopped_rx.recv_timeout(Duration::from_secs(1)).unwrap_or(0);
     let got = rx.finish();
     println!("{test}: rank 4 stopped after {got_before_stop} datagrams; broadcast() returned after {took:?}: {first:?}");
     match &first {
-        Err(Error::BroadcastUnconfirmed { ranks, seq: 0, .. }) => {
+        Err(Error::BroadcastUnconfirmed { ranks, seq, .. }) => {
+            assert_eq!(*seq, base);
             assert_eq!(ranks, &vec![4u16], "exactly rank 4 did not confirm");
         }
         other => panic!("expected BroadcastUnconfirmed naming rank 4, got {other:?}"),
@@ -434,8 +439,8 @@ fn e_dead_receiver_mid_message() {
     assert!(took >= deadline, "failed before the deadline ({took:?} < {deadline:?})");
     assert!(got_before_stop > 0, "rank 4 must have stopped mid-message, after some datagrams");
     let second = second.unwrap_or_else(|e| panic!("the next broadcast to the remaining ranks: {e}"));
-    assert_eq!(second.seq, 1);
-    let bad = check_all(&got, &[big, small], test);
+    assert_eq!(second.seq, base.wrapping_add(1));
+    let bad = check_all(&got, base, &[big, small], test);
     assert!(bad.is_empty(), "{test}:\n  {}", bad.join("\n  "));
 }
 
@@ -483,13 +488,13 @@ fn f_bad_input_ignored_and_counted() {
     let rx = Rx::start(&group, &[1, 2], rel);
     let data = pattern(3000, 7);
     let len = data.len() as u32;
-    let (addr_tx, addr_rx) = mpsc::channel::<SocketAddrV4>();
+    let (addr_tx, addr_rx) = mpsc::channel::<(SocketAddrV4, u32)>();
     let done = Arc::new(AtomicBool::new(false));
     let m3 = group.member(3).expect("rank 3").clone();
     let m4 = group.member(4).expect("rank 4").clone();
     let d2 = Arc::clone(&done);
     let forger = std::thread::spawn(move || -> usize {
-        let to = addr_rx.recv_timeout(Duration::from_secs(20)).expect("sender address");
+        let (to, seq) = addr_rx.recv_timeout(Duration::from_secs(20)).expect("sender address");
         // Rank 3's own address and port (it is a destination, but never
         // acknowledges validly), and another port of rank 3's address.
         let (ns3, ns4) = (m3.netns.clone().unwrap_or_default(), m4.netns.clone().unwrap_or_default());
@@ -514,14 +519,19 @@ fn f_bad_input_ignored_and_counted() {
         });
         let complete = BcastAck { pkt_bytes: 0, npkts: 1, cum: 1, flags: ACK_COMPLETE, ..Default::default() };
         let kinds: Vec<(&UdpSocket, Vec<u8>)> = vec![
-            (&a3, ack_bytes(job, 3, 1000, len, &complete)),     // unknown sequence
-            (&a3, ack_bytes(job, 3, 0, len + 1, &complete)),    // wrong message length
-            (&a3, ack_bytes(job, 3, 0, len, &BcastAck { cum: 2, ..complete.clone() })), // cum beyond the message
-            (&a3, ack_bytes(job + 1, 3, 0, len, &complete)),    // other job
-            (&a3, b"KCCL not an ack".to_vec()),                 // malformed
-            (&a3_other, ack_bytes(job, 3, 0, len, &complete)),  // rank 3 from another port
-            (&a4, ack_bytes(job, 3, 0, len, &complete)),        // rank 4 forging rank 3
-            (&a4, ack_bytes(job, 4, 0, len, &complete)),        // member, not a destination
+            // unknown sequence (ahead of anything sent)
+            (&a3, ack_bytes(job, 3, seq.wrapping_add(1000), len, &complete)),
+            // wrong message length; cum beyond the message
+            (&a3, ack_bytes(job, 3, seq, len + 1, &complete)),
+            (&a3, ack_bytes(job, 3, seq, len, &BcastAck { cum: 2, ..complete.clone() })),
+            // other job; not an ACK at all
+            (&a3, ack_bytes(job + 1, 3, seq, len, &complete)),
+            (&a3, b"KCCL not an ack".to_vec()),
+            // rank 3 from another port; rank 4 forging rank 3
+            (&a3_other, ack_bytes(job, 3, seq, len, &complete)),
+            (&a4, ack_bytes(job, 3, seq, len, &complete)),
+            // a member that is not a destination
+            (&a4, ack_bytes(job, 4, seq, len, &complete)),
         ];
         let mut sent = 0;
         while !d2.load(Ordering::Relaxed) {
@@ -533,14 +543,15 @@ fn f_bad_input_ignored_and_counted() {
         }
         sent
     });
-    let (res, st) = on_host(&cluster::host_netns(&name, 0), || {
+    let (res, st, seq) = on_host(&cluster::host_netns(&name, 0), || {
         let mut b = Broadcaster::new(&group, 0, PathChoice::Kernel).unwrap_or_else(|e| panic!("{e}"));
         b.set_reliability(rel).expect("config");
-        addr_tx.send(b.local_addr().expect("local addr")).expect("forger alive");
+        let seq = b.next_seq();
+        addr_tx.send((b.local_addr().expect("local addr"), seq)).expect("forger alive");
         // Let forged ACKs queue before the message exists, too.
         std::thread::sleep(Duration::from_millis(100));
         let r = b.broadcast(&data, &[1, 2, 3]);
-        (r, b.stats())
+        (r, b.stats(), seq)
     });
     done.store(true, Ordering::Relaxed);
     let forged = forger.join().expect("forger");
@@ -578,7 +589,7 @@ fn f_bad_input_ignored_and_counted() {
         src_rank: 0,
         mask_base: 0,
         dst_mask: 0b110,
-        msg_seq: 0,
+        msg_seq: seq,
         frag_off: 0,
         msg_len: len,
         payload_len: 1432,

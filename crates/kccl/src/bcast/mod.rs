@@ -176,7 +176,11 @@ impl Broadcaster {
             fanout: None,
             path: Path::User,
             reason: String::new(),
-            seq: 0,
+            // A random first sequence number (like TCP's ISN): receivers
+            // remember completed (sender, seq) pairs, and a restarted sender
+            // counting from 0 again would have its messages taken for late
+            // duplicates (dropped, and re-acknowledged as delivered).
+            seq: random_u32(),
             stats: SenderStats::default(),
             unresolved: false,
             rel: Reliability::default(),
@@ -260,6 +264,11 @@ impl Broadcaster {
 
     pub fn reliability(&self) -> Reliability {
         self.rel
+    }
+
+    /// Sequence number of the next message.
+    pub fn next_seq(&self) -> u32 {
+        self.seq
     }
 
     /// The sending socket's address: receivers' acknowledgments come here.
@@ -673,6 +682,17 @@ len: usize,
         return None;
     }
     Some((h.src_rank, ack))
+}
+
+/// Random bits from the kernel (getrandom); the clock if that fails.
+fn random_u32() -> u32 {
+    let mut v = 0u32;
+    // SAFETY: writes at most 4 bytes into v.
+    let n = unsafe { libc::getrandom((&mut v as *mut u32).cast(), 4, 0) };
+    if n == 4 {
+        return v;
+    }
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.subsec_nanos() ^ d.as_secs() as u32)
 }
 
 /// How far back an ACK's sequence number may lie to count as a late answer
