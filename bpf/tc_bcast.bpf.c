@@ -29,7 +29,9 @@
  *    kccl packets of the other types (aggregation, KCCL_T_BCAST_ACK) are
  *    unicast and pass untouched (counted as passed) even with FANOUT set.
  *  - Copies keep the sender's source MAC, IP and UDP port: receivers send
- *    their KCCL_T_BCAST_ACKs back to that address.
+ *    their KCCL_T_BCAST_ACKs back to that address.  Copies leave without
+ *    KCCL_F_FANOUT (cleared once, before cloning), so no copy is ever fanned
+ *    out again, whatever mark it carries when it re-enters this hook.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -96,7 +98,8 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	struct kccl_l4 l4;
 	struct kccl_hdr h;
 	struct fanout f = {};
-	__u32 l4_off, udp_len, pay_len, mask_base;
+	__u32 l4_off, udp_len, pay_len, mask_base, flags_off;
+	__u16 new_flags;
 
 	/* Our own copies re-enter this hook after bpf_clone_redirect(). */
 	if (skb->mark == cfg_clone_mark)
@@ -132,6 +135,17 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS ||
 	    mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
+		goto malformed;
+
+	/* Copies leave as plain unicast: without FANOUT, a copy that comes
+	 * back through this hook (a fault injector's duplicate carries its own
+	 * mark, not ours) passes instead of fanning out again, which would
+	 * multiply every duplicate by the group size. */
+	new_flags = h.flags & ~bpf_htons(KCCL_F_FANOUT);
+	flags_off = l4_off + sizeof(struct udphdr) + offsetof(struct kccl_hdr, flags);
+	if (bpf_l4_csum_replace(skb, l4_off + offsetof(struct udphdr, check), h.flags, new_flags,
+				BPF_F_MARK_MANGLED_0 | sizeof(new_flags)) ||
+	    bpf_skb_store_bytes(skb, flags_off, &new_flags, sizeof(new_flags), 0))
 		goto malformed;
 
 	f.skb = skb;

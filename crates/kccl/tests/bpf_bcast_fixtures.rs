@@ -126,8 +126,19 @@ impl Udp4 {
     }
 
     /// The same datagram addressed to `rank` (what a copy for it must be).
+    /// The copy for `rank`: addressed to it, without KCCL_F_FANOUT (tc_bcast
+    /// clears it before cloning so that no copy is ever fanned out again).
     fn to_rank(&self, rank: u16) -> Udp4 {
-        Udp4 { eth_dst: mac_of(rank), daddr: ip_of(rank), dport: port_of(rank), ..self.clone() }
+        Udp4 { eth_dst: mac_of(rank), daddr: ip_of(rank), dport: port_of(rank), ..self.without_fanout() }
+    }
+
+    /// The same packet with the FANOUT bit of its kccl header cleared.
+    fn without_fanout(&self) -> Udp4 {
+        let mut p = self.clone();
+        if p.payload.len() >= 8 {
+            p.payload[7] &= !(F_FANOUT as u8); // flags: bytes 6..8, big-endian
+        }
+        p
     }
 
     fn build(&self) -> Vec<u8> {
@@ -355,7 +366,7 @@ fn fanout(name: &str, members: Vec<(u16, Option<[u8; 6]>)>, pkt: &Udp4, clones: 
         members,
         cleared: vec![],
         copies: clones.iter().map(|&r| pkt.to_rank(r).build()).collect(),
-        output: last.map(|r| pkt.to_rank(r).build()).unwrap_or_else(|| input.clone()),
+        output: last.map(|r| pkt.to_rank(r).build()).unwrap_or_else(|| pkt.without_fanout().build()),
         input,
         mark: 0,
         verdict: if last.is_some() { TCX_NEXT } else { TC_ACT_SHOT },
