@@ -580,7 +580,11 @@ fn fixtures() -> Vec<Fixture> {
         // unicast: passed, even with FANOUT and a mask.
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);
         h.msg_type = T_AGG;
-        t.push(untouched("type 2 (aggregation) with FANOUT: passed, not fanned out", kccl_udp(&h, 1).build(), passed()));
+        t.push(untouched(
+            "type 2 (aggregation) with FANOUT: passed, not fanned out",
+            kccl_udp(&h, 1).build(),
+            passed(),
+        ));
     }
 
     // 6b. Broadcast ACKs (KCCL_T_BCAST_ACK): a receiver's answer to the

@@ -447,7 +447,10 @@ fn check_kernel_send(s: &Sent, dests: &[u16]) -> Vec<String> {
     // fan-out datagrams too, with exactly the receivers that need them.
     let retx = s.report.retransmit_datagrams as u64;
     if s.fragments != (nfrag * w) as u64 || k.fanout_pkts != (nfrag * w) as u64 + retx {
-        bad.push(format!("{what}: fanout_pkts {} (sender fragments {}, retransmissions {retx})", k.fanout_pkts, s.fragments));
+        bad.push(format!(
+            "{what}: fanout_pkts {} (sender fragments {}, retransmissions {retx})",
+            k.fanout_pkts, s.fragments
+        ));
     }
     if k.copies != (nfrag * dests.len() + s.report.retransmitted) as u64 {
         bad.push(format!(

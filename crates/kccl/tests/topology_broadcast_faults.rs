@@ -80,7 +80,11 @@ fn pattern(len: usize, salt: u64) -> Vec<u8> {
 
 /// Single packets, packet boundaries and multi-packet messages up to 1 MiB.
 fn messages(salt: u64) -> Vec<Vec<u8>> {
-    [1usize, 1432, 1433, 20_000, 300_000, 1 << 20].iter().enumerate().map(|(i, &l)| pattern(l, salt + i as u64)).collect()
+    [1usize, 1432, 1433, 20_000, 300_000, 1 << 20]
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| pattern(l, salt + i as u64))
+        .collect()
 }
 
 fn on_host<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
@@ -129,10 +133,13 @@ impl Drop for Faults {
     }
 }
 
+/// What one receiver thread took, and its counters.
+type Took = (Vec<Message>, RecvStats);
+
 /// Receiver threads that keep receiving (and so acknowledging) until stopped.
 struct Rx {
     stop: Arc<AtomicBool>,
-    threads: Vec<(u16, JoinHandle<(Vec<Message>, RecvStats)>)>,
+    threads: Vec<(u16, JoinHandle<Took>)>,
 }
 
 impl Rx {
@@ -177,10 +184,7 @@ impl Rx {
 
     fn finish(mut self) -> BTreeMap<u16, (Vec<Message>, RecvStats)> {
         self.stop.store(true, Ordering::Relaxed);
-        self.threads
-            .drain(..)
-            .map(|(r, h)| (r, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
-            .collect()
+        self.threads.drain(..).map(|(r, h)| (r, h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))).collect()
     }
 }
 
@@ -367,9 +371,11 @@ fn c_duplication_and_reordering() {
     if !root_or_skip(test) {
         return;
     }
-    let sender = Case { name: "dup+reorder+loss", member_link: false, loss: 0.01, dup: 0.05, reorder: 0.05, per_packet: false };
+    let sender =
+        Case { name: "dup+reorder+loss", member_link: false, loss: 0.01, dup: 0.05, reorder: 0.05, per_packet: false };
     run_case(test, "tfdr", &sender);
-    let member = Case { name: "dup+reorder", member_link: true, loss: 0.0, dup: 0.05, reorder: 0.05, per_packet: false };
+    let member =
+        Case { name: "dup+reorder", member_link: true, loss: 0.0, dup: 0.05, reorder: 0.05, per_packet: false };
     run_case(test, "tfdm", &member);
 }
 
@@ -428,7 +434,9 @@ fn e_dead_receiver_mid_message() {
     dying.join().expect("rank 4 thread");
     let got_before_stop = stopped_rx.recv_timeout(Duration::from_secs(1)).unwrap_or(0);
     let got = rx.finish();
-    println!("{test}: rank 4 stopped after {got_before_stop} datagrams; broadcast() returned after {took:?}: {first:?}");
+    println!(
+        "{test}: rank 4 stopped after {got_before_stop} datagrams; broadcast() returned after {took:?}: {first:?}"
+    );
     match &first {
         Err(Error::BroadcastUnconfirmed { ranks, seq, .. }) => {
             assert_eq!(*seq, base);

@@ -630,13 +630,13 @@ impl Broadcaster {
 /// Validates one datagram of the sending socket as an ACK of message
 /// `seq`; counts and drops anything else.  Returns the acknowledging rank.
 fn check_ack(
-group: &Group,
-me: u16,
-st: &mut SenderStats,
-d: &[u8],
-from: SocketAddrV4,
-seq: u32,
-len: usize,
+    group: &Group,
+    me: u16,
+    st: &mut SenderStats,
+    d: &[u8],
+    from: SocketAddrV4,
+    seq: u32,
+    len: usize,
 ) -> Option<(u16, BcastAck)> {
     let (h, payload) = match Header::decode(d) {
         Ok(x) if x.0.msg_type == T_BCAST_ACK => x,
