@@ -663,9 +663,13 @@ fn c_64_mib_to_2_receivers_kernel_and_user() {
         let mbps = total.map(|t| data.len() as f64 / t.as_secs_f64() / 1e6);
         println!(
             "{test}: {p} path: 64 MiB ({nfrag} fragments) to 2 receivers: broadcast() returned after {send_time:?}, \
-             last receiver complete after {total:?} ({:.0} MB/s of message per receiver); {} user-space datagrams",
+             last receiver complete after {total:?} ({:.0} MB/s of message per receiver); {} user-space datagrams, \
+             {} acks, {} copies re-sent, {} probe timeouts",
             mbps.unwrap_or(f64::NAN),
-            s.report.datagrams
+            s.report.datagrams,
+            s.report.acks,
+            s.report.retransmitted,
+            s.report.timeouts
         );
     }
     assert_clean(test, bad);

@@ -444,8 +444,17 @@ pub struct Peer {
     /// `holdoff`, so a report that crossed the retransmission in flight
     /// does not double it).
     retx_at: std::collections::HashMap<u32, Instant>,
+    /// Copies re-sent to it since `budget_start` (at most REPAIR_BURST per
+    /// holdoff: a receiver that lost much because it was overrun is not
+    /// overrun again by the repair).
+    budget_start: Instant,
+    budget_used: u32,
     pub acks: u64,
 }
+
+/// Packets re-sent to one receiver per holdoff interval at most (the rest
+/// follow its next gap reports).
+pub const REPAIR_BURST: u32 = 512;
 
 impl Peer {
     pub fn new(rank: u16, npkts: u32, now: Instant, rto: Duration) -> Peer {
@@ -457,6 +466,8 @@ impl Peer {
             last_event: now,
             rto,
             retx_at: Default::default(),
+            budget_start: now,
+            budget_used: 0,
             acks: 0,
         }
     }
@@ -502,10 +513,14 @@ impl Peer {
             return Ok(Vec::new());
         }
         let (from, to) = if a.bm_bits == 0 { (a.cum, n) } else { (a.bm_first, end as u32) };
+        if now >= self.budget_start + holdoff {
+            self.budget_start = now;
+            self.budget_used = 0;
+        }
         let mut out = Vec::new();
         let mut at = from;
         while let Some(i) = self.held.first_clear(at) {
-            if i >= to {
+            if i >= to || self.budget_used >= REPAIR_BURST {
                 break;
             }
             at = i + 1;
@@ -514,6 +529,7 @@ impl Peer {
                 continue; // possibly still in flight (or the report predates it)
             }
             self.retx_at.insert(i, now);
+            self.budget_used += 1;
             out.push(i);
         }
         Ok(out)
@@ -666,6 +682,24 @@ mod tests {
         assert!(p.apply(&r[0], 100, t1, &c, hold).unwrap().is_empty());
         // After the holdoff it is re-sent.
         assert_eq!(p.apply(&r[0], 100, t1 + hold, &c, hold).unwrap(), vec![3, 7]);
+    }
+
+    /// A receiver that lost everything gets at most REPAIR_BURST packets per
+    /// holdoff, lowest first; the rest after the next report.
+    #[test]
+    fn repair_is_bounded_per_holdoff() {
+        let t = Instant::now();
+        let c = cfg(1024);
+        let hold = Duration::from_millis(10);
+        let mut p = Peer::new(1, 3000, t, c.rto);
+        let all_missing = BcastAck { pkt_bytes: 100, npkts: 3000, flags: ACK_GAP, ..Default::default() };
+        let first = p.apply(&all_missing, 100, t + hold, &c, hold).unwrap();
+        assert_eq!(first, (0..REPAIR_BURST).collect::<Vec<u32>>());
+        assert!(p.apply(&all_missing, 100, t + hold, &c, hold).unwrap().is_empty(), "budget spent");
+        // One holdoff later: a new budget (the first ones, still unconfirmed,
+        // are due again: lowest first).
+        let next = p.apply(&all_missing, 100, t + hold * 2, &c, hold).unwrap();
+        assert_eq!(next.len(), REPAIR_BURST as usize);
     }
 
     #[test]
