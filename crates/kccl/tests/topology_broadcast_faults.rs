@@ -237,6 +237,8 @@ fn check_all(got: &BTreeMap<u16, (Vec<Message>, RecvStats)>, base: u32, want: &[
 
 struct Case {
     name: &'static str,
+    /// Message sizes (None: [`messages`]).
+    sizes: Option<&'static [usize]>,
     member_link: bool,
     loss: f64,
     dup: f64,
@@ -265,7 +267,10 @@ fn run_case(test: &str, prefix: &str, case: &Case) {
             vec![(cluster::host_netns(&name, 0), "eth0")]
         };
         let rx = Rx::start(&group, &RECEIVERS, rel);
-        let msgs = messages(s);
+        let msgs = match case.sizes {
+            Some(sz) => sz.iter().enumerate().map(|(i, &l)| pattern(l, s + i as u64)).collect(),
+            None => messages(s),
+        };
         let faults = Faults::install(&at, &cfg);
         let t0 = Instant::now();
         let (reports, st, base) = on_host(&cluster::host_netns(&name, 0), || {
@@ -350,7 +355,7 @@ fn loss_cases(test: &str, prefix: &str, member_link: bool) {
         return;
     }
     for (i, loss) in [0.0001, 0.001, 0.01, 0.05].into_iter().enumerate() {
-        let case = Case { name: "loss", member_link, loss, dup: 0.0, reorder: 0.0, per_packet: false };
+        let case = Case { sizes: None, name: "loss", member_link, loss, dup: 0.0, reorder: 0.0, per_packet: false };
         run_case(test, &format!("{prefix}{i}"), &case);
     }
 }
@@ -371,11 +376,25 @@ fn c_duplication_and_reordering() {
     if !root_or_skip(test) {
         return;
     }
-    let sender =
-        Case { name: "dup+reorder+loss", member_link: false, loss: 0.01, dup: 0.05, reorder: 0.05, per_packet: false };
+    let sender = Case {
+        sizes: None,
+        name: "dup+reorder+loss",
+        member_link: false,
+        loss: 0.01,
+        dup: 0.05,
+        reorder: 0.05,
+        per_packet: false,
+    };
     run_case(test, "tfdr", &sender);
-    let member =
-        Case { name: "dup+reorder", member_link: true, loss: 0.0, dup: 0.05, reorder: 0.05, per_packet: false };
+    let member = Case {
+        sizes: None,
+        name: "dup+reorder",
+        member_link: true,
+        loss: 0.0,
+        dup: 0.05,
+        reorder: 0.05,
+        per_packet: false,
+    };
     run_case(test, "tfdm", &member);
 }
 
@@ -385,10 +404,49 @@ fn d_per_packet_acknowledgments() {
     if !root_or_skip(test) {
         return;
     }
-    let case = Case { name: "per-packet", member_link: false, loss: 0.01, dup: 0.01, reorder: 0.01, per_packet: true };
+    let case = Case {
+        sizes: None,
+        name: "per-packet",
+        member_link: false,
+        loss: 0.01,
+        dup: 0.01,
+        reorder: 0.01,
+        per_packet: true,
+    };
     run_case(test, "tfpp", &case);
-    let case = Case { name: "per-packet", member_link: true, loss: 0.01, dup: 0.0, reorder: 0.0, per_packet: true };
+    let case = Case {
+        sizes: None,
+        name: "per-packet",
+        member_link: true,
+        loss: 0.01,
+        dup: 0.0,
+        reorder: 0.0,
+        per_packet: true,
+    };
     run_case(test, "tfpm", &case);
+}
+
+/// A 16 MiB message (11717 packets, 12 ACK groups) under 1% loss, on the
+/// sender's link and on a member's link: gap reports per group, bounded
+/// repair, no retransmission storm (re-sent copies are printed).
+#[test]
+fn g_large_message_under_loss() {
+    let test = "g_large_message_under_loss";
+    if !root_or_skip(test) {
+        return;
+    }
+    for (prefix, member_link) in [("tfbgs", false), ("tfbgm", true)] {
+        let case = Case {
+            sizes: Some(&[16 << 20]),
+            name: "16 MiB",
+            member_link,
+            loss: 0.01,
+            dup: 0.0,
+            reorder: 0.0,
+            per_packet: false,
+        };
+        run_case(test, prefix, &case);
+    }
 }
 
 /// Rank 4 stops (closes its socket) after the first datagrams of an 8 MiB

@@ -837,6 +837,9 @@ pub struct Receiver {
     outbox: Vec<OutAck>,
 }
 
+/// Datagrams per recvmmsg of a receiver.
+const RECV_SLOTS: usize = 64;
+
 /// Completed (sender, seq) pairs remembered to recognise late duplicates.
 const DONE_MEMORY: usize = 8192;
 
@@ -859,7 +862,7 @@ impl Receiver {
             members: group.members.iter().map(|m| (m.rank, m.clone())).collect(),
             me,
             sock,
-            rb: RecvBatch::new(64, dgram_max),
+            rb: RecvBatch::new(RECV_SLOTS, dgram_max),
             partial: HashMap::new(),
             done: HashMap::new(),
             done_order: VecDeque::new(),
@@ -925,7 +928,11 @@ impl Receiver {
                 self.ingest(i, now);
             }
             if self.rel.enabled {
-                self.gap_reports(now);
+                // Gaps only once the socket queue is drained (a short batch):
+                // while behind, a hole may be a repair still queued here.
+                if n < RECV_SLOTS {
+                    self.gap_reports(now);
+                }
                 self.flush_acks();
             }
         }

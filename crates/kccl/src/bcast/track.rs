@@ -391,8 +391,11 @@ impl Assembly {
             if miss >= limit || out.len() >= MAX_REPORTS_PER_ROUND {
                 break;
             }
+            // The bitmap ends at `limit`: packets above the highest held one
+            // may simply not have arrived yet, and every clear bit of a report
+            // is re-sent.
             let first = miss / g * g;
-            let bits = g.min(n - first);
+            let bits = g.min(limit - first);
             out.push(self.ack(ACK_GAP, first, bits));
             at = first + bits;
         }
@@ -443,7 +446,10 @@ pub struct Peer {
     /// When a packet was last re-sent to it (not re-sent again before
     /// `holdoff`, so a report that crossed the retransmission in flight
     /// does not double it).
-    retx_at: std::collections::HashMap<u32, Instant>,
+    /// Per packet: when it was last re-sent and how often.  Each re-send of
+    /// the same packet doubles its holdoff (up to 16x): a receiver whose
+    /// socket queue is long keeps reporting a hole whose repair is queued.
+    retx_at: std::collections::HashMap<u32, (Instant, u32)>,
     /// Copies re-sent to it since `budget_start` (at most REPAIR_BURST per
     /// holdoff: a receiver that lost much because it was overrun is not
     /// overrun again by the repair).
@@ -524,11 +530,11 @@ impl Peer {
                 break;
             }
             at = i + 1;
-            let last_sent = self.retx_at.get(&i).copied().unwrap_or(self.sent_all);
-            if now < last_sent + holdoff {
+            let (last_sent, times) = self.retx_at.get(&i).copied().unwrap_or((self.sent_all, 0));
+            if now < last_sent + holdoff * (1 << times.min(4)) {
                 continue; // possibly still in flight (or the report predates it)
             }
-            self.retx_at.insert(i, now);
+            self.retx_at.insert(i, (now, times + 1));
             self.budget_used += 1;
             out.push(i);
         }
@@ -550,7 +556,8 @@ impl Peer {
         self.rto = (self.rto * 2).min(cfg.rto_max);
         self.last_event = now;
         let i = self.held.first_clear(0)?;
-        self.retx_at.insert(i, now);
+        let times = self.retx_at.get(&i).map_or(0, |x| x.1);
+        self.retx_at.insert(i, (now, times + 1));
         Some(i)
     }
 
@@ -658,6 +665,8 @@ mod tests {
         assert_eq!(r.len(), 1, "gap below the top persisted: {r:?}");
         assert_eq!((r[0].bm_first, r[0].bm_bits, r[0].flags, r[0].cum), (0, 8, ACK_GAP, 3));
         assert_eq!(r[0].bitmap, vec![0b0111_0111]);
+        // Group [8, 16) holds 8, 9, 10 and nothing above: not reported while
+        // packets flow (11.. may still be on their way).
         assert!(a.gap_reports(t + c.nak_delay, &c).is_empty(), "one report per nak_delay");
         // Idle (no new packet for TAIL_FACTOR x nak_delay): every group with
         // a hole, up to the end.
@@ -680,8 +689,9 @@ mod tests {
         assert_eq!(missing, want);
         // The same report again right away: held off (in flight).
         assert!(p.apply(&r[0], 100, t1, &c, hold).unwrap().is_empty());
-        // After the holdoff it is re-sent.
-        assert_eq!(p.apply(&r[0], 100, t1 + hold, &c, hold).unwrap(), vec![3, 7]);
+        // Re-sent once: the next holdoff is twice as long.
+        assert!(p.apply(&r[0], 100, t1 + hold, &c, hold).unwrap().is_empty());
+        assert_eq!(p.apply(&r[0], 100, t1 + hold * 2, &c, hold).unwrap(), vec![3, 7]);
     }
 
     /// A receiver that lost everything gets at most REPAIR_BURST packets per
@@ -700,6 +710,23 @@ mod tests {
         // are due again: lowest first).
         let next = p.apply(&all_missing, 100, t + hold * 2, &c, hold).unwrap();
         assert_eq!(next.len(), REPAIR_BURST as usize);
+    }
+
+    /// A hole in the group that holds the highest packet: the report's
+    /// bitmap ends at that packet, so nothing not yet arrived is re-sent.
+    #[test]
+    fn flowing_report_ends_at_the_highest_held_packet() {
+        let t = Instant::now();
+        let c = cfg(8);
+        let mut a = Assembly::new(2000, t);
+        for i in (0..12u32).filter(|i| *i != 9) {
+            a.ingest(i * 100, &[1; 100], t);
+        }
+        let r = a.gap_reports(t + c.nak_delay, &c);
+        let ranges: Vec<(u32, u16)> = r.iter().map(|k| (k.bm_first, k.bm_bits)).collect();
+        assert_eq!(ranges, vec![(8, 4)], "bits 8..12 only");
+        let mut p = Peer::new(1, 20, t, c.rto);
+        assert_eq!(p.apply(&r[0], 100, t + c.rto, &c, Duration::ZERO).unwrap(), vec![9]);
     }
 
     #[test]
