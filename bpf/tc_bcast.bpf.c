@@ -26,6 +26,12 @@
  *    the loop verifiable and the softirq time one packet holds the CPU short.
  *  - Every other packet (non-UDP, other ports, other jobs, no FANOUT flag,
  *    malformed kccl headers) passes untouched; malformed ones are counted.
+ *    kccl packets of the other types (aggregation, KCCL_T_BCAST_ACK) are
+ *    unicast and pass untouched (counted as passed) even with FANOUT set.
+ *  - Copies keep the sender's source MAC, IP and UDP port: receivers send
+ *    their KCCL_T_BCAST_ACKs back to that address.  Copies leave without
+ *    KCCL_F_FANOUT (cleared once, before cloning), so no copy is ever fanned
+ *    out again, whatever mark it carries when it re-enters this hook.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -34,8 +40,12 @@
 #include "kccl_skb.h"
 #include "kccl_bcast.h"
 
-#define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
+/* TCX_NEXT (TC_ACT_UNSPEC): the packet goes on to the next program of the
+ * TCX chain (e.g. tc_fault behind us), and out if there is none.  TC_ACT_OK
+ * would end the chain: a fault injector attached after tc_bcast would then
+ * never see a broadcast packet.  The runtime attaches tc_bcast at the head. */
+#define TCX_NEXT	(-1)
 
 /* Set by the runtime before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
@@ -66,6 +76,7 @@ struct {
  * generated definitions (checked by its tests), not hand copies. */
 struct kccl_hdr kccl_hdr_layout;
 struct kccl_miss_event kccl_miss_event_layout;
+struct kccl_bcast_ack kccl_bcast_ack_layout;
 
 static __always_inline void stat_add(__u32 idx, __u64 n)
 {
@@ -87,11 +98,12 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	struct kccl_l4 l4;
 	struct kccl_hdr h;
 	struct fanout f = {};
-	__u32 l4_off, udp_len, pay_len, mask_base;
+	__u32 l4_off, udp_len, pay_len, mask_base, flags_off;
+	__u16 new_flags;
 
 	/* Our own copies re-enter this hook after bpf_clone_redirect(). */
 	if (skb->mark == cfg_clone_mark)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 
 	l4_off = kccl_skb_l4(skb, &ip, &l4);
 	if (!l4_off)
@@ -104,19 +116,36 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
 		goto malformed;
 	pay_len = udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN;
-	if (h.version != KCCL_VERSION || h.type != KCCL_T_BCAST ||
-	    bpf_ntohs(h.payload_len) != pay_len)
+	if (h.version != KCCL_VERSION)
+		goto malformed;
+	/* Other kccl packets leaving this host (a receiver's broadcast ACKs,
+	 * aggregation traffic) are unicast: never fanned out, whatever their
+	 * flags say. */
+	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_BCAST_ACK)
+		goto pass;
+	if (h.type != KCCL_T_BCAST || bpf_ntohs(h.payload_len) != pay_len)
 		goto malformed;
 	if (!(h.flags & bpf_htons(KCCL_F_FANOUT)))
 		goto pass;
 	if (bpf_ntohl(h.job_id) != cfg_job_id) {
 		stat_add(KCCL_BS_OTHER_JOB, 1);
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	}
 	mask_base = bpf_ntohs(h.mask_base);
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS ||
 	    mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
+		goto malformed;
+
+	/* Copies leave as plain unicast: without FANOUT, a copy that comes
+	 * back through this hook (a fault injector's duplicate carries its own
+	 * mark, not ours) passes instead of fanning out again, which would
+	 * multiply every duplicate by the group size. */
+	new_flags = h.flags & ~bpf_htons(KCCL_F_FANOUT);
+	flags_off = l4_off + sizeof(struct udphdr) + offsetof(struct kccl_hdr, flags);
+	if (bpf_l4_csum_replace(skb, l4_off + offsetof(struct udphdr, check), h.flags, new_flags,
+				BPF_F_MARK_MANGLED_0 | sizeof(new_flags)) ||
+	    bpf_skb_store_bytes(skb, flags_off, &new_flags, sizeof(new_flags), 0))
 		goto malformed;
 
 	f.skb = skb;
@@ -135,14 +164,14 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	stat_add(KCCL_BS_COPIES, f.copies);
 	if (f.misses)
 		stat_add(KCCL_BS_MISSED, f.misses);
-	return f.original_sent ? TC_ACT_OK : TC_ACT_SHOT;
+	return f.original_sent ? TCX_NEXT : TC_ACT_SHOT;
 
 malformed:
 	stat_add(KCCL_BS_MALFORMED, 1);
-	return TC_ACT_OK;
+	return TCX_NEXT;
 pass:
 	stat_add(KCCL_BS_PASSED, 1);
-	return TC_ACT_OK;
+	return TCX_NEXT;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

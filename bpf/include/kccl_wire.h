@@ -23,6 +23,8 @@ enum kccl_msg_type {
 	KCCL_T_AGG	  = 2,	/* aggregation contribution: member -> aggregator */
 	KCCL_T_AGG_RESULT = 3,	/* allreduce result of one chunk: aggregator -> contributors */
 	KCCL_T_AGG_ACK	  = 4,	/* reduce: chunk aggregated (no payload): aggregator -> contributors */
+	KCCL_T_BCAST_ACK  = 5,	/* broadcast acknowledgment: receiver -> broadcast sender */
+	/* 6 and above: reserved (other protocols of this header) */
 };
 
 /*
@@ -92,6 +94,54 @@ struct kccl_hdr {
 } __attribute__((packed));
 
 #define KCCL_HDR_LEN	40
+
+/*
+ * KCCL_T_BCAST_ACK: what one broadcast receiver holds of one message
+ * (AggBox section 3.3, group acknowledgments), sent from the receiver's own
+ * address and port to the source address and port the data came from (the
+ * sender's socket; tc_bcast copies keep the sender's source IP and port).
+ * Packets of a message are numbered by index = frag_off / pkt_bytes, where
+ * pkt_bytes is the payload_len of every fragment but the last.
+ *
+ * Header fields of an ACK:
+ *   src_rank            the acknowledging receiver
+ *   mask_base/dst_mask  the broadcast sender's rank (one bit); never FANOUT:
+ *                       an ACK is unicast and tc_bcast passes it untouched
+ *   msg_seq, msg_len    the acknowledged message (sender's msg_seq)
+ *   frag_off            0
+ *   payload_len         KCCL_ACK_LEN + ceil(bm_bits / 8)
+ * followed by struct kccl_bcast_ack and the bitmap (big-endian fields).
+ *
+ * A receiver sends one when its cumulative count crosses a multiple of its
+ * group size (default 1024 packets) or the message completes (COMPLETE),
+ * for every packet in per-packet mode (bitmap of that one packet), and when
+ * a gap persists (GAP): then the bitmap of each group with missing packets
+ * says exactly which of its packets are held; the sender re-sends the
+ * others, to the receivers missing them only.  A receiver answers data of a
+ * message it already completed with COMPLETE again (it never delivers twice).
+ */
+struct kccl_bcast_ack {
+	__u32 pkt_bytes;	/*  0: payload bytes per packet as the receiver
+				 *     derived it; 0 = unknown (it holds no
+				 *     fragment but the last, or n == 1) */
+	__u32 npkts;		/*  4: packets of the message; 0 = unknown */
+	__u32 cum;		/*  8: every packet with index < cum is held */
+	__u32 bm_first;		/* 12: packet index of bitmap bit 0 */
+	__u16 bm_bits;		/* 16: bits in the bitmap, 0..KCCL_ACK_MAX_BITS */
+	__u16 ack_flags;	/* 18: enum kccl_ack_flag */
+	/* 20: bitmap, ceil(bm_bits / 8) bytes: bit i (byte i / 8, bit i % 8,
+	 *     least significant first) set <=> packet bm_first + i is held */
+} __attribute__((packed));
+
+#define KCCL_ACK_LEN		20
+#define KCCL_ACK_MAX_BITS	8192	/* 1 KiB bitmap: fits a 1500-byte MTU */
+
+enum kccl_ack_flag {
+	KCCL_ACK_COMPLETE = 1 << 0,	/* the whole message is held */
+	KCCL_ACK_GAP	  = 1 << 1,	/* gap report: packets of the bitmap's
+					 * range whose bit is clear are missing
+					 * (no bitmap: everything >= cum is) */
+};
 
 /* Largest payload that keeps IPv4 + UDP + kccl_hdr inside a 1500-byte MTU. */
 #define KCCL_MAX_PAYLOAD_1500	(1500 - 20 - 8 - KCCL_HDR_LEN)

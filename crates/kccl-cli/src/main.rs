@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use kccl::agg::{AggConfig, Aggregator};
-use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver};
+use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver, Reliability};
 use kccl::bench::{write_outputs, BcastHarness, BcastRecord};
 use kccl::bench_agg::Kind;
 use kccl::cluster::{self, ClusterSpec};
@@ -129,12 +129,33 @@ struct BroadcastArgs {
     to: String,
     /// File to send, or - for stdin.
     input: String,
+    /// Fail if a receiver has not confirmed the whole message after this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    deadline: f64,
+    /// Retransmission timeout in milliseconds (probe of a silent receiver; doubles up to 16x).
+    #[arg(long, default_value_t = 20.0)]
+    rto_ms: f64,
+    /// Fire-and-forget: do not wait for acknowledgments (plain UDP receivers).
+    #[arg(long)]
+    no_ack: bool,
 }
 
 #[derive(Args)]
 struct ReceiveArgs {
     #[command(flatten)]
     member: MemberArgs,
+    /// Acknowledge every N packets (group acknowledgment), 1..=8192.
+    #[arg(long, default_value_t = 1024)]
+    ack_group: u32,
+    /// Acknowledge every packet instead of every group.
+    #[arg(long)]
+    ack_per_packet: bool,
+    /// Report a gap in a message after it persisted this many milliseconds.
+    #[arg(long, default_value_t = 2.0)]
+    nak_delay_ms: f64,
+    /// Send no acknowledgments (for fire-and-forget senders).
+    #[arg(long)]
+    no_ack: bool,
     /// Number of messages to receive before exiting (default: run until interrupted).
     #[arg(long)]
     count: Option<u64>,
@@ -308,6 +329,20 @@ fn broadcast(a: BroadcastArgs) -> Result<()> {
     }
     let mut b = Broadcaster::new(&group, rank, choice)?;
     eprintln!("kccl: {}", b.path_reason());
+    let secs = |what: &str, v: f64| -> Result<Duration> {
+        Duration::try_from_secs_f64(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| Error::Usage(format!("--{what} {v}: must be a positive number")))
+    };
+    let rto = secs("rto-ms", a.rto_ms / 1000.0)?;
+    b.set_reliability(Reliability {
+        enabled: !a.no_ack,
+        rto,
+        rto_max: rto * 16,
+        deadline: secs("deadline", a.deadline)?,
+        ..Reliability::default()
+    })?;
     let r = b.broadcast(&data, &dests)?;
     eprintln!(
         "kccl: sent {} bytes as message {} to {} ranks over the {} path ({} datagrams from user space, {} fallback copies)",
@@ -318,6 +353,15 @@ fn broadcast(a: BroadcastArgs) -> Result<()> {
         r.datagrams,
         r.fallback_copies
     );
+    if !a.no_ack {
+        eprintln!(
+            "kccl: every receiver confirmed after {:.1} ms ({} acknowledgments, {} packet copies re-sent, {} timeouts)",
+            r.confirm_time.as_secs_f64() * 1e3,
+            r.acks,
+            r.retransmitted,
+            r.timeouts
+        );
+    }
     if let Some(f) = b.fanout() {
         let s = f.stats()?;
         if s.missed > 0 {
@@ -333,6 +377,17 @@ fn receive(a: ReceiveArgs) -> Result<()> {
         eprintln!("kccl: receivers use an ordinary UDP socket on both paths");
     }
     let mut r = Receiver::new(&group, rank)?;
+    let nak = Duration::try_from_secs_f64(a.nak_delay_ms / 1000.0)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| Error::Usage(format!("--nak-delay-ms {}: must be a positive number", a.nak_delay_ms)))?;
+    r.set_reliability(Reliability {
+        enabled: !a.no_ack,
+        ack_group: a.ack_group,
+        per_packet: a.ack_per_packet,
+        nak_delay: nak,
+        ..Reliability::default()
+    })?;
     let mut out: Box<dyn Write> = match &a.out {
         Some(p) => Box::new(std::fs::File::create(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?),
         None => Box::new(std::io::stdout().lock()),
@@ -352,9 +407,16 @@ fn receive(a: ReceiveArgs) -> Result<()> {
         eprintln!("kccl: message {} from rank {}: {} bytes", m.seq, m.src_rank, m.data.len());
         n += 1;
     }
+    // Keep acknowledging for a moment: the sender may still be waiting for
+    // a lost acknowledgment of the last message.
+    let linger = Instant::now() + Duration::from_millis(200);
+    while !a.no_ack && Instant::now() < linger {
+        if let Ok(m) = r.recv(Some(linger.saturating_duration_since(Instant::now()))) {
+            eprintln!("kccl: message {} from rank {} after --count: not written", m.seq, m.src_rank);
+        }
+    }
     let s = r.stats();
-    let dropped = s.malformed + s.truncated + s.wrong_job + s.not_member + s.not_addressed + s.too_large + s.evicted;
-    if dropped + s.duplicates > 0 {
+    if s.dropped() + s.evicted + s.duplicates + s.after_complete > 0 {
         eprintln!("kccl: receive counters: {}", serde_json::to_string(&s).unwrap_or_default());
     }
     Ok(())
@@ -416,7 +478,7 @@ pub fn print_rows(rows: &[BcastRecord]) {
     let u = rows.iter().find(|r| r.path == Path::User);
     for r in rows {
         println!(
-            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us lost={}",
+            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | confirmed p50={:>7.1}us re-sent={:.2} lost={}",
             r.path.to_string(),
             r.receivers,
             r.size,
@@ -426,6 +488,8 @@ pub fn print_rows(rows: &[BcastRecord]) {
             r.app_p99_us,
             r.sender_cpu_us,
             r.total_cpu_us,
+            r.confirm_p50_us,
+            r.retransmitted_per_op,
             r.lost
         );
     }

@@ -50,8 +50,13 @@ pub struct BcastRecord {
     pub sender_cpu_us: f64,
     /// CPU of the whole process (sender, receivers, softirq) per broadcast.
     pub total_cpu_us: f64,
-    /// Datagrams user space sent per broadcast.
+    /// Datagrams user space sent per broadcast (retransmissions included).
     pub datagrams_per_op: f64,
+    /// First send until broadcast() returned, i.e. until every receiver's
+    /// acknowledgment arrived (reliable broadcast), median.
+    pub confirm_p50_us: f64,
+    /// Packet copies re-sent per broadcast (reliability).
+    pub retransmitted_per_op: f64,
     /// Iterations in which some receiver did not get the message in time.
     pub lost: usize,
 }
@@ -236,6 +241,8 @@ impl BcastHarness {
         let mut cpu = vec![Duration::ZERO; paths.len()];
         let mut total_cpu = vec![Duration::ZERO; paths.len()];
         let mut dgrams = vec![0usize; paths.len()];
+        let mut retx = vec![0usize; paths.len()];
+        let mut confirm: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
         let mut lost = vec![0usize; paths.len()];
         for &p in paths {
             self.verify(b, p, n, len)?;
@@ -256,7 +263,9 @@ impl BcastHarness {
                     let t0_real = SystemTime::now();
                     let r = b.broadcast(&data, &dests)?;
                     cpu[pi] += thread_cpu_time() - c0;
-                    dgrams[pi] += r.datagrams + r.fallback_copies;
+                    dgrams[pi] += r.datagrams + r.fallback_copies + r.retransmit_datagrams;
+                    retx[pi] += r.retransmitted;
+                    confirm[pi].push(r.confirm_time.as_secs_f64() * 1e6);
                     match self.wait(r.seq, n, len, hash, Duration::from_secs(1))? {
                         Some(c) => {
                             app_lat[pi].push(c.app.saturating_duration_since(t0).as_secs_f64() * 1e6);
@@ -294,6 +303,12 @@ impl BcastHarness {
                     sender_cpu_us: cpu[pi].as_secs_f64() * 1e6 / iters.max(1) as f64,
                     total_cpu_us: total_cpu[pi].as_secs_f64() * 1e6 / iters.max(1) as f64,
                     datagrams_per_op: dgrams[pi] as f64 / iters.max(1) as f64,
+                    confirm_p50_us: {
+                        let c = &mut confirm[pi];
+                        c.sort_by(f64::total_cmp);
+                        percentile(c, 50.0)
+                    },
+                    retransmitted_per_op: retx[pi] as f64 / iters.max(1) as f64,
                     lost: lost[pi],
                 }
             })

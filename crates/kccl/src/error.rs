@@ -79,6 +79,13 @@ pub enum Error {
     )]
     TooManyContributors { what: String, count: usize, first: u16, last: u16, base: u16 },
 
+    #[error(
+        "broadcast of message {seq} ({len} bytes): receivers {} did not confirm it within {ms} ms \
+         ({detail}); check that they are running and reachable, or raise the deadline",
+        ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+    )]
+    BroadcastUnconfirmed { seq: u32, len: usize, ms: u64, ranks: Vec<u16>, detail: String },
+
     #[error("fault injector on {target}: {msg}")]
     Fault { target: String, msg: String },
 }

@@ -180,12 +180,20 @@ impl BcastFanout {
             return Ok(());
         }
         let prog = &self.skel.progs.kccl_tc_bcast;
-        // SAFETY: a loaded program and a NULL opts pointer are valid arguments.
+        // At the head of the TCX chain (BPF_F_BEFORE, no anchor): the fan-out
+        // runs first and hands every packet and copy on (TCX_NEXT) to programs
+        // attached at the same hook, e.g. a fault injector installed earlier.
+        let opts = libbpf_rs::libbpf_sys::bpf_tcx_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_tcx_opts>() as _,
+            flags: libbpf_rs::libbpf_sys::BPF_F_BEFORE,
+            ..Default::default()
+        };
+        // SAFETY: a loaded program and a valid, sized opts struct.
         let ptr = unsafe {
             libbpf_rs::libbpf_sys::bpf_program__attach_tcx(
                 libbpf_rs::AsRawLibbpf::as_libbpf_object(prog).as_ptr(),
                 self.ifindex as i32,
-                std::ptr::null(),
+                &opts,
             )
         };
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::KernelPathUnavailable {

@@ -2,7 +2,7 @@
 //! lays it out (big-endian fields).  Tests below check this encoder against the
 //! skeleton-generated `kccl_hdr` (size and every offset) and golden bytes.
 
-use crate::skel::types::kccl_hdr;
+use crate::skel::types::{kccl_bcast_ack, kccl_hdr};
 
 pub const MAGIC: u32 = 0x4b43_434c;
 pub const VERSION: u8 = 1;
@@ -11,6 +11,15 @@ pub const T_BCAST: u8 = 1;
 pub const T_AGG: u8 = 2;
 pub const T_AGG_RESULT: u8 = 3;
 pub const T_AGG_ACK: u8 = 4;
+/// Broadcast acknowledgment (receiver -> sender); payload: [`BcastAck`].
+pub const T_BCAST_ACK: u8 = 5;
+/// Fixed part of a [`BcastAck`] payload (struct kccl_bcast_ack).
+pub const ACK_LEN: usize = 20;
+/// Largest bitmap of one ACK (KCCL_ACK_MAX_BITS).
+pub const ACK_MAX_BITS: usize = 8192;
+/// enum kccl_ack_flag
+pub const ACK_COMPLETE: u16 = 1 << 0;
+pub const ACK_GAP: u16 = 1 << 1;
 pub const F_FANOUT: u16 = 1 << 0;
 pub const F_LAST_FRAG: u16 = 1 << 1;
 pub const F_ALLREDUCE: u16 = 1 << 2;
@@ -38,6 +47,7 @@ pub const MAX_PAYLOAD_1500: usize = MAX_UDP_PAYLOAD_1500 - HDR_LEN;
 
 // The C header is the definition; fail the build if the generated copy moves.
 const _: () = assert!(std::mem::size_of::<kccl_hdr>() == HDR_LEN);
+const _: () = assert!(std::mem::size_of::<kccl_bcast_ack>() == ACK_LEN);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
@@ -51,6 +61,8 @@ pub enum WireError {
     BadLength { claimed: usize, actual: usize },
     #[error("fragment [{off}, {end}) lies outside a message of {msg_len} bytes")]
     BadFragment { off: u32, end: u64, msg_len: u32 },
+    #[error("broadcast ACK: {0}")]
+    BadAck(&'static str),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -134,10 +146,86 @@ impl Header {
         let end = h.frag_off as u64 + h.payload_len as u64;
         // An empty fragment only ends an empty message, except an aggregation
         // ACK, which names its chunk by frag_off/msg_len and carries no data.
+        // A broadcast ACK's payload is its report, not message data.
+        if h.msg_type == T_BCAST_ACK {
+            return Ok((h, payload));
+        }
         if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0 && h.msg_type != T_AGG_ACK) {
             return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
         }
         Ok((h, payload))
+    }
+}
+
+/// The payload of a KCCL_T_BCAST_ACK (struct kccl_bcast_ack + bitmap), see
+/// bpf/include/kccl_wire.h for the protocol.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BcastAck {
+    /// Payload bytes per packet as the receiver derived it (0: unknown).
+    pub pkt_bytes: u32,
+    /// Packets of the message (0: unknown).
+    pub npkts: u32,
+    /// Every packet with index < cum is held.
+    pub cum: u32,
+    /// Packet index of bitmap bit 0.
+    pub bm_first: u32,
+    /// Bits of `bitmap` that are meaningful.
+    pub bm_bits: u16,
+    /// ACK_COMPLETE, ACK_GAP.
+    pub flags: u16,
+    /// ceil(bm_bits / 8) bytes, bit i (LSB first) = packet bm_first + i held.
+    pub bitmap: Vec<u8>,
+}
+
+impl BcastAck {
+    pub fn encoded_len(&self) -> usize {
+        ACK_LEN + self.bitmap.len()
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.pkt_bytes.to_be_bytes());
+        out.extend_from_slice(&self.npkts.to_be_bytes());
+        out.extend_from_slice(&self.cum.to_be_bytes());
+        out.extend_from_slice(&self.bm_first.to_be_bytes());
+        out.extend_from_slice(&self.bm_bits.to_be_bytes());
+        out.extend_from_slice(&self.flags.to_be_bytes());
+        out.extend_from_slice(&self.bitmap);
+    }
+
+    /// Parses an ACK payload; checks only what the bytes alone can show
+    /// (lengths, bitmap size, unused bits zero); the sender checks the
+    /// numbers against the message.
+    pub fn decode(p: &[u8]) -> Result<BcastAck, WireError> {
+        if p.len() < ACK_LEN {
+            return Err(WireError::BadAck("payload shorter than the 20-byte ACK"));
+        }
+        let a = BcastAck {
+            pkt_bytes: u32::from_be_bytes(be(p, 0)),
+            npkts: u32::from_be_bytes(be(p, 4)),
+            cum: u32::from_be_bytes(be(p, 8)),
+            bm_first: u32::from_be_bytes(be(p, 12)),
+            bm_bits: u16::from_be_bytes(be(p, 16)),
+            flags: u16::from_be_bytes(be(p, 18)),
+            bitmap: p[ACK_LEN..].to_vec(),
+        };
+        if a.bm_bits as usize > ACK_MAX_BITS {
+            return Err(WireError::BadAck("bitmap larger than KCCL_ACK_MAX_BITS"));
+        }
+        if a.bitmap.len() != (a.bm_bits as usize).div_ceil(8) {
+            return Err(WireError::BadAck("bitmap length does not match bm_bits"));
+        }
+        if a.bm_bits % 8 != 0 && a.bitmap.last().is_some_and(|&b| b >> (a.bm_bits % 8) != 0) {
+            return Err(WireError::BadAck("bits beyond bm_bits are set"));
+        }
+        if a.flags & !(ACK_COMPLETE | ACK_GAP) != 0 {
+            return Err(WireError::BadAck("unknown flags"));
+        }
+        Ok(a)
+    }
+
+    /// Whether bitmap bit i (packet bm_first + i) is set.
+    pub fn bit(&self, i: usize) -> bool {
+        i < self.bm_bits as usize && self.bitmap[i / 8] & (1 << (i % 8)) != 0
     }
 }
 
@@ -272,6 +360,11 @@ mod tests {
             ("KCCL_T_AGG", T_AGG as i64),
             ("KCCL_T_AGG_RESULT", T_AGG_RESULT as i64),
             ("KCCL_T_AGG_ACK", T_AGG_ACK as i64),
+            ("KCCL_T_BCAST_ACK", T_BCAST_ACK as i64),
+            ("KCCL_ACK_LEN", ACK_LEN as i64),
+            ("KCCL_ACK_MAX_BITS", ACK_MAX_BITS as i64),
+            ("KCCL_ACK_COMPLETE", ACK_COMPLETE as i64),
+            ("KCCL_ACK_GAP", ACK_GAP as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),
@@ -316,6 +409,98 @@ mod tests {
         assert_eq!(offset_of!(kccl_hdr, payload_len), 36);
         assert_eq!(offset_of!(kccl_hdr, agg_op), 38);
         assert_eq!(offset_of!(kccl_hdr, dtype), 39);
+    }
+
+    /// A gap report of receiver 3 for message 9 of sender 0: packets 0..2048
+    /// of 2500 held cumulatively, group [2048, 2058) holds 2048..2050 and 2057.
+    #[test]
+    fn golden_bytes_bcast_ack() {
+        let ack = BcastAck {
+            pkt_bytes: 1432,
+            npkts: 2500,
+            cum: 2050,
+            bm_first: 2048,
+            bm_bits: 10,
+            flags: ACK_GAP,
+            bitmap: vec![0b0000_0111, 0b0000_0010],
+        };
+        let h = Header {
+            version: VERSION,
+            msg_type: T_BCAST_ACK,
+            flags: 0,
+            job_id: 7,
+            src_rank: 3,
+            mask_base: 0,
+            dst_mask: 1,
+            msg_seq: 9,
+            frag_off: 0,
+            msg_len: 3_580_000,
+            payload_len: ack.encoded_len() as u16,
+            agg_op: 0,
+            dtype: 0,
+        };
+        let golden: Vec<u8> = vec![
+            0x4b, 0x43, 0x43, 0x4c, // magic
+            0x01, 0x05, 0x00, 0x00, // version, T_BCAST_ACK, no flags
+            0x00, 0x00, 0x00, 0x07, // job_id
+            0x00, 0x03, 0x00, 0x00, // src_rank = receiver 3, mask_base
+            0, 0, 0, 0, 0, 0, 0, 0x01, // dst_mask: the sender, rank 0
+            0x00, 0x00, 0x00, 0x09, // msg_seq
+            0x00, 0x00, 0x00, 0x00, // frag_off
+            0x00, 0x36, 0xa0, 0x60, // msg_len 3580000
+            0x00, 0x16, 0x00, 0x00, // payload_len 22
+            0x00, 0x00, 0x05, 0x98, // pkt_bytes 1432
+            0x00, 0x00, 0x09, 0xc4, // npkts 2500
+            0x00, 0x00, 0x08, 0x02, // cum 2050
+            0x00, 0x00, 0x08, 0x00, // bm_first 2048
+            0x00, 0x0a, 0x00, 0x02, // bm_bits 10, ACK_GAP
+            0x07, 0x02, // bitmap: 2048, 2049, 2050 | 2057
+        ];
+        let mut d = h.to_bytes().to_vec();
+        ack.encode(&mut d);
+        assert_eq!(d, golden);
+        let (back, p) = Header::decode(&golden).expect("ACK header decodes");
+        assert_eq!(back, h);
+        let a = BcastAck::decode(p).expect("ACK payload decodes");
+        assert_eq!(a, ack);
+        let held: Vec<usize> = (0..10).filter(|&i| a.bit(i)).map(|i| i + 2048).collect();
+        assert_eq!(held, [2048, 2049, 2050, 2057]);
+        assert!(!a.bit(10), "bits past bm_bits are not held");
+    }
+
+    #[test]
+    fn bcast_ack_layout_matches_c_header() {
+        assert_eq!(offset_of!(kccl_bcast_ack, pkt_bytes), 0);
+        assert_eq!(offset_of!(kccl_bcast_ack, npkts), 4);
+        assert_eq!(offset_of!(kccl_bcast_ack, cum), 8);
+        assert_eq!(offset_of!(kccl_bcast_ack, bm_first), 12);
+        assert_eq!(offset_of!(kccl_bcast_ack, bm_bits), 16);
+        assert_eq!(offset_of!(kccl_bcast_ack, ack_flags), 18);
+    }
+
+    #[test]
+    fn bcast_ack_rejects_malformed() {
+        let good = BcastAck { bm_bits: 10, bitmap: vec![0xff, 0x03], ..Default::default() };
+        let enc = |a: &BcastAck| {
+            let mut v = Vec::new();
+            a.encode(&mut v);
+            v
+        };
+        assert!(BcastAck::decode(&enc(&good)).is_ok());
+        assert!(BcastAck::decode(&enc(&good)[..19]).is_err(), "short");
+        let mut e = enc(&good);
+        e.push(0);
+        assert!(BcastAck::decode(&e).is_err(), "bitmap longer than bm_bits");
+        assert!(BcastAck::decode(&enc(&BcastAck { bitmap: vec![0xff, 0x07], ..good.clone() })).is_err(), "bit 10 set");
+        assert!(BcastAck::decode(&enc(&BcastAck { flags: 4, ..good.clone() })).is_err(), "unknown flag");
+        let big = BcastAck { bm_bits: 8193, bitmap: vec![0; 1025], ..Default::default() };
+        assert!(BcastAck::decode(&enc(&big)).is_err(), "bitmap over the limit");
+        // The header of an ACK is exempt from the fragment check: its payload
+        // is the report, not message bytes (msg_len may be smaller).
+        let h = Header { version: VERSION, msg_type: T_BCAST_ACK, msg_len: 1, payload_len: 22, ..Default::default() };
+        let mut d = h.to_bytes().to_vec();
+        d.extend_from_slice(&enc(&good));
+        assert!(Header::decode(&d).is_ok());
     }
 
     #[test]

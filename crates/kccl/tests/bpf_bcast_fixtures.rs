@@ -16,7 +16,7 @@
 //!   |     |                                       (ETH_P_ALL, bound fxb, |
 //!   |     |  the original skb is not transmitted:  captures the clones)  |
 //!   |     v  its final bytes come back as data_out                       |
-//!   | verdict (TC_ACT_OK / TC_ACT_SHOT), data_out, ctx_out (mark, dev)   |
+//!   | verdict (TCX_NEXT / TC_ACT_SHOT), data_out, ctx_out (mark, dev)   |
 //!   +--------------------------------------------------------------------+
 //! ```
 //!
@@ -47,12 +47,14 @@ use kccl::group::Member;
 use kccl::kernel::{BcastFanout, BcastStats, MissEvent, MissReason, CLONE_MARK};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
-use kccl::wire::{Header, F_FANOUT, F_LAST_FRAG, T_BCAST, VERSION};
+use kccl::wire::{BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_BCAST, T_BCAST_ACK, VERSION};
 
 mod support;
 use support::{csum_add, csum_fold, inet_csum, our_namespaces, pseudo_sum, run, Capture, NetnsGuard};
 
-const TC_ACT_OK: u32 = 0;
+/// TCX_NEXT (-1): tc_bcast hands every packet it lets out on to the next
+/// program of the TCX chain (a fault injector behind it must see them).
+const TCX_NEXT: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 
 const JOB: u32 = 7;
@@ -124,8 +126,19 @@ impl Udp4 {
     }
 
     /// The same datagram addressed to `rank` (what a copy for it must be).
+    /// The copy for `rank`: addressed to it, without KCCL_F_FANOUT (tc_bcast
+    /// clears it before cloning so that no copy is ever fanned out again).
     fn to_rank(&self, rank: u16) -> Udp4 {
-        Udp4 { eth_dst: mac_of(rank), daddr: ip_of(rank), dport: port_of(rank), ..self.clone() }
+        Udp4 { eth_dst: mac_of(rank), daddr: ip_of(rank), dport: port_of(rank), ..self.without_fanout() }
+    }
+
+    /// The same packet with the FANOUT bit of its kccl header cleared.
+    fn without_fanout(&self) -> Udp4 {
+        let mut p = self.clone();
+        if p.payload.len() >= 8 {
+            p.payload[7] &= !(F_FANOUT as u8); // flags: bytes 6..8, big-endian
+        }
+        p
     }
 
     fn build(&self) -> Vec<u8> {
@@ -324,7 +337,7 @@ fn untouched(name: &str, input: Vec<u8>, stats: BcastStats) -> Fixture {
         output: input.clone(),
         input,
         mark: 0,
-        verdict: TC_ACT_OK,
+        verdict: TCX_NEXT,
         copies: vec![],
         out_mark: 0,
         stats,
@@ -353,10 +366,10 @@ fn fanout(name: &str, members: Vec<(u16, Option<[u8; 6]>)>, pkt: &Udp4, clones: 
         members,
         cleared: vec![],
         copies: clones.iter().map(|&r| pkt.to_rank(r).build()).collect(),
-        output: last.map(|r| pkt.to_rank(r).build()).unwrap_or_else(|| input.clone()),
+        output: last.map(|r| pkt.to_rank(r).build()).unwrap_or_else(|| pkt.without_fanout().build()),
         input,
         mark: 0,
-        verdict: if last.is_some() { TC_ACT_OK } else { TC_ACT_SHOT },
+        verdict: if last.is_some() { TCX_NEXT } else { TC_ACT_SHOT },
         out_mark: CLONE_MARK,
         stats: BcastStats { fanout_pkts: 1, copies: served, ..Default::default() },
         misses: vec![],
@@ -559,8 +572,80 @@ fn fixtures() -> Vec<Fixture> {
     }
     {
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);
-        h.msg_type = 2;
-        t.push(untouched("malformed: type 2", kccl_udp(&h, 1).build(), malformed()));
+        h.msg_type = 0;
+        t.push(untouched("malformed: type 0", kccl_udp(&h, 1).build(), malformed()));
+    }
+    {
+        // An aggregation contribution leaving a host that also broadcasts is
+        // unicast: passed, even with FANOUT and a mask.
+        let mut h = header(mask_of(&[1, 2, 3], 0), 0);
+        h.msg_type = T_AGG;
+        t.push(untouched(
+            "type 2 (aggregation) with FANOUT: passed, not fanned out",
+            kccl_udp(&h, 1).build(),
+            passed(),
+        ));
+    }
+
+    // 6b. Broadcast ACKs (KCCL_T_BCAST_ACK): a receiver's answer to the
+    // sender is unicast; tc_bcast never fans it out.
+    {
+        let ack = BcastAck {
+            pkt_bytes: PAYLOAD_LEN as u32,
+            npkts: 40,
+            cum: 16,
+            bm_first: 16,
+            bm_bits: 16,
+            flags: ACK_GAP,
+            bitmap: vec![0xf7, 0xff],
+        };
+        let mut body = Vec::new();
+        ack.encode(&mut body);
+        let h = Header {
+            version: VERSION,
+            msg_type: T_BCAST_ACK,
+            flags: 0,
+            job_id: JOB,
+            src_rank: 3,
+            mask_base: 0,
+            dst_mask: 1,
+            msg_seq: MSG_SEQ,
+            frag_off: 0,
+            msg_len: 40 * PAYLOAD_LEN as u32,
+            payload_len: body.len() as u16,
+            agg_op: 0,
+            dtype: 0,
+        };
+        let mut p = h.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(0), ip_of(0), 40_000, p.clone());
+        t.push(untouched("type 5 ACK to the sender's port: passed untouched", pkt.build(), passed()));
+        // A forged ACK asking for a fan-out to 1..9 is still just passed.
+        let mut forged = h;
+        forged.flags = F_FANOUT;
+        forged.dst_mask = mask_of(&(1..=9).collect::<Vec<u16>>(), 0);
+        let mut p = forged.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(1), ip_of(1), port_of(1), p);
+        t.push(untouched("type 5 ACK with FANOUT and mask 1..9: passed, not fanned out", pkt.build(), passed()));
+        // An ACK of another job: passed too (type checked before the job).
+        let mut other = h;
+        other.job_id = JOB + 1;
+        let mut p = other.to_bytes().to_vec();
+        p.extend_from_slice(&body);
+        let pkt = Udp4::new(mac_of(0), ip_of(0), 40_000, p);
+        t.push(untouched("type 5 ACK of another job: passed", pkt.build(), passed()));
+    }
+    // 6c. A retransmission: a middle packet (no LAST_FRAG) whose mask holds
+    // exactly the receivers that reported it missing, 3 and 7 of 1..9:
+    // copies to 3 and 7 only, each keeping the sender's source address and
+    // port (where the receivers' ACKs go).
+    {
+        let mut h = header(mask_of(&[3, 7], 0), 0);
+        h.flags = F_FANOUT;
+        h.msg_len = FRAG_OFF + 3 * PAYLOAD_LEN as u32;
+        let pkt = kccl_udp(&h, 3);
+        t.push(fanout("retransmission to exactly ranks 3 and 7 of 1..9", resolved(1..=9), &pkt, &[3], Some(7)));
     }
     for claimed in [PAYLOAD_LEN - 1, PAYLOAD_LEN + 1, 0] {
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);
@@ -798,7 +883,7 @@ fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
 
     let mut errs = Vec::new();
     let verdict_name = |v: u32| match v {
-        TC_ACT_OK => "TC_ACT_OK".to_string(),
+        TCX_NEXT => "TCX_NEXT".to_string(),
         TC_ACT_SHOT => "TC_ACT_SHOT".to_string(),
         x => format!("{x}"),
     };
@@ -858,7 +943,7 @@ fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
                 errs.push(format!("captured frame {i} ({}): {e}", describe(c)));
             }
         }
-        if fx.verdict == TC_ACT_OK {
+        if fx.verdict == TCX_NEXT {
             if let Err(e) = verify_checksums(&o.output) {
                 errs.push(format!("output skb ({}): {e}", describe(&o.output)));
             }
