@@ -34,7 +34,8 @@ pub enum Error {
     /// An aggregation stalled because these contributors sent nothing: the
     /// aggregator said so (PENDING answers, or the root's own slots).
     #[error(
-        "{what}: ranks {ranks:?} did not contribute for {ms} ms (the aggregator has every other contribution);          they are dead or stuck. Run the next operation without them (Collective::exclude_ranks) or restart them"
+        "{what}: ranks {ranks:?} did not contribute for {ms} ms (the aggregator has every other contribution); \
+         they are dead or stuck. Run the next operation without them (Collective::exclude_ranks) or restart them"
     )]
     MembersMissing { what: String, ranks: Vec<u16>, ms: u64 },
 
