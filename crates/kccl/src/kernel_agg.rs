@@ -942,8 +942,9 @@ mod tests {
         assert_eq!(offset_of!(S, claimed_ns), 24);
         assert_eq!(offset_of!(S, rec), 32);
         assert_eq!(size_of::<S>(), 32 + size_of::<R>());
-        // enum kccl_agg_stat has KCCL_AS_NR = 21 counters.
-        assert_eq!(AggStats::N, 21);
+        // enum kccl_agg_stat has KCCL_AS_NR = 25 counters.
+        assert_eq!(AggStats::N, 25);
+        assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
     }
 
     #[test]
