@@ -106,7 +106,7 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
 		return TC_ACT_OK;
 	if (h.version != KCCL_VERSION ||
-	    (h.type != KCCL_T_AGG_RESULT && h.type != KCCL_T_AGG_ACK) ||
+	    (h.type != KCCL_T_AGG_RESULT && h.type != KCCL_T_AGG_ACK && h.type != KCCL_T_AGG_PENDING) ||
 	    !(h.flags & bpf_htons(KCCL_F_FANOUT)) || bpf_ntohl(h.job_id) != cfg_job_id ||
 	    bpf_ntohs(h.payload_len) != udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN)
 		return TC_ACT_OK;

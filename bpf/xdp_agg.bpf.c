@@ -116,6 +116,10 @@ const volatile __u32 cfg_chunk_bytes = 1432;
 const volatile __u32 cfg_nslots = 1024;	/* == max_entries of agg_slots */
 const volatile __u64 cfg_slot_timeout_ns = 2000000000ULL;
 const volatile __u64 cfg_wakeup_bytes = 1 << 20;
+/* The job's largest contributor window (chunks beyond the lowest unanswered
+ * one): a contribution of chunk c proves its sender holds every answer below
+ * c + 1 - cfg_window.  Every contributor must use at most this. */
+const volatile __u32 cfg_window = 256;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -144,6 +148,14 @@ struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 4 << 20);		/* set by the loader */
 } agg_records SEC(".maps");
+
+/* What each rank proved it received (struct kccl_agg_acks). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct kccl_agg_acks);
+} agg_acks SEC(".maps");
 
 /* Completed wire bytes per operation, for the wake-up policy. */
 struct kccl_agg_op_key {
@@ -217,6 +229,8 @@ struct agg_scratch {
 	 * in locals, for the same reason: path-dependent constants live across
 	 * a loop make the verifier walk it once per combination. */
 	__u32 act, why, mode, write, reclaimed, ovf;
+	/* PENDING: the chunk's contributors still missing (expected & ~seen). */
+	__u64 missing;
 	__u32 op, esize;	/* the loop selectors */
 	__u32 res;		/* ELEM_OVF | ELEM_SAT of the loops */
 	/* The loops' sign-bit accumulators (saturation, overflow), in memory
@@ -539,8 +553,9 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 		return XDP_DROP;
 	ihl_len = ip->ihl * 4;
 	want = sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN + out_len;
-	if (out_len == 0 && want < (__u32)(end - data)) {
-		/* ACK: trim the payload (and any trailer after the datagram). */
+	if (want != (__u32)(end - data)) {
+		/* ACK/PENDING: trim the payload (and any trailer after the
+		 * datagram); a PENDING for a 4-byte chunk grows by 4 bytes. */
 		if (bpf_xdp_adjust_tail(ctx, (int)want - (int)(end - data)))
 			return XDP_DROP;
 		data = (void *)(long)ctx->data;
@@ -643,13 +658,81 @@ static __always_inline int deliver(struct kccl_agg_slot *s, __u32 op_id, __u32 p
 #define ACT_DONE_ALL	3	/* completed an allreduce chunk: RESULT */
 #define ACT_ANSWER	4	/* DONE chunk: answer this sender again */
 #define ACT_RETRY	5	/* UNDELIVERED chunk: retry the ring output */
+#define ACT_PENDING	6	/* counted retransmission: tell the sender who is missing */
 
 /* What a contribution needs in the locked section. */
 struct contrib {
 	__u64 mask, bit, now;
 	__u32 op_id, frag, msg_len, pay_len, mask_base, op, dt;
+	/* The DONE chunk (proven_op, proven_frag) the slot held before the
+	 * lock: every one of its contributors proved it has the answer. */
+	__u32 proven_op, proven_frag;
+	bool proven;
 	bool allreduce;
 };
+
+/* a after b: (op, bound) keys of struct kccl_agg_acks, op ids compared in
+ * serial-number order (they wrap at 2^32). */
+static __always_inline bool ack_after(__u64 a, __u64 b)
+{
+	__s32 d = (__s32)((__u32)(a >> 32) - (__u32)(b >> 32));
+
+	return d > 0 || (d == 0 && (__u32)a > (__u32)b);
+}
+
+/* Rank src proved it holds every answer before (op_id, bound). */
+static __always_inline void ack_raise(__u32 src, __u32 op_id, __u32 bound)
+{
+	struct kccl_agg_acks *a;
+	__u32 zero = 0;
+	__u64 nv, ov;
+
+	a = bpf_map_lookup_elem(&agg_acks, &zero);
+	if (!a || src >= KCCL_MAX_MEMBERS || bound == 0xffffffffU)
+		return;
+	nv = (__u64)op_id << 32 | (bound + 1);
+	ov = *(volatile __u64 *)&a->v[src];
+	/* A racing update may lower it again: that only proves less. */
+	if (!ov || ack_after(nv, ov))
+		*(volatile __u64 *)&a->v[src] = nv;
+}
+
+/*
+ * Whether every contributor of the DONE chunk that slot s held when read
+ * (without the lock: the caller re-checks the key under it) has proven it
+ * holds the chunk's answer.  Fills c->proven*.
+ */
+static __always_inline void check_proven(struct kccl_agg_slot *s, struct contrib *c)
+{
+	struct kccl_agg_acks *a;
+	__u32 zero = 0, kop, kchunk, base, b;
+	__u64 exp, v;
+
+	c->proven = false;
+	if (*(volatile __u32 *)&s->state != KCCL_SLOT_DONE)
+		return;
+	kop = *(volatile __u32 *)&s->rec.op_id;
+	c->proven_op = kop;
+	c->proven_frag = *(volatile __u32 *)&s->rec.frag_off;
+	if (kop == c->op_id && c->proven_frag == c->frag)
+		return;
+	a = bpf_map_lookup_elem(&agg_acks, &zero);
+	if (!a)
+		return;
+	kchunk = c->proven_frag / cfg_chunk_bytes;
+	exp = *(volatile __u64 *)&s->expected;
+	base = *(volatile __u16 *)&s->rec.mask_base;
+#pragma clang loop unroll(disable)
+	for (b = 0; b < KCCL_MASK_BITS; b++) {
+		if (!((exp >> b) & 1))
+			continue;
+		v = a->v[(base + b) & (KCCL_MAX_MEMBERS - 1)];
+		/* v proves (op, bound): after (kop, kchunk + 1), i.e. bound > kchunk */
+		if (!v || !ack_after(v, (__u64)kop << 32 | (kchunk + 1)))
+			return;
+	}
+	c->proven = true;
+}
 
 /*
  * Under the slot's lock: the slot state machine (see the header comment).
@@ -668,9 +751,10 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 		    s->rec.mask_base != c->mask_base || s->expected != c->mask) {
 			why = KCCL_AS_MISMATCH;
 		} else if (s->state == KCCL_SLOT_ACTIVE) {
-			if (s->seen & c->bit)
-				why = KCCL_AS_DUP;
-			else
+			if (s->seen & c->bit) {
+				act = ACT_PENDING;
+				*(volatile __u64 *)&sc->missing = s->expected & ~s->seen;
+			} else
 				mode = ELEM_COMBINE;
 		} else if (s->state == KCCL_SLOT_DONE) {
 			act = ACT_ANSWER;
@@ -686,6 +770,12 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 		   ((s->state == KCCL_SLOT_ACTIVE || s->state == KCCL_SLOT_UNDELIVERED) &&
 		    c->now - s->claimed_ns <= cfg_slot_timeout_ns)) {
 		why = KCCL_AS_BUSY;
+	} else if (s->state == KCCL_SLOT_DONE && c->now - s->claimed_ns <= cfg_slot_timeout_ns &&
+		   !(c->proven && c->proven_op == s->rec.op_id && c->proven_frag == s->rec.frag_off)) {
+		/* Kept until every contributor proved it has the answer (or
+		 * for cfg_slot_timeout_ns after completion: liveness when a
+		 * contributor went silent). */
+		why = KCCL_AS_HELD;
 	} else {
 		reclaimed = s->state == KCCL_SLOT_ACTIVE || s->state == KCCL_SLOT_UNDELIVERED;
 		s->state = KCCL_SLOT_ACTIVE;
@@ -764,8 +854,24 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		stat_add(KCCL_AS_OTHER_JOB, 1);
 		return XDP_PASS;
 	}
+	if (h->type == KCCL_T_AGG_RECEIPT) {
+		src = bpf_ntohs(h->src_rank);
+		m = bpf_map_lookup_elem(&members, &src);
+		if (!m || !(m->flags & KCCL_M_PRESENT) || m->ip_be != ip->saddr) {
+			stat_add(KCCL_AS_NOT_MEMBER, 1);
+			return XDP_DROP;
+		}
+		if (h->payload_len)
+			goto malformed;
+		c.frag = bpf_ntohl(h->frag_off);
+		ack_raise(src, bpf_ntohl(h->msg_seq),
+			  (__u32)(((__u64)c.frag + cfg_chunk_bytes - 1) / cfg_chunk_bytes));
+		stat_add(KCCL_AS_RECEIPTS, 1);
+		return XDP_DROP;
+	}
 	if (h->type != KCCL_T_AGG) {
-		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK)
+		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK ||
+		    h->type == KCCL_T_AGG_PENDING || h->type == KCCL_T_BCAST_ACK)
 			goto pass;
 		goto malformed;
 	}
@@ -810,6 +916,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	c.op_id = bpf_ntohl(h->msg_seq);
 	c.allreduce = flags & KCCL_F_ALLREDUCE;
 	chunk = c.frag / cfg_chunk_bytes;
+	ack_raise(src, c.op_id, chunk + 1 > cfg_window ? chunk + 1 - cfg_window : 0);
 	idx = (c.op_id * 0x9E3779B1U + chunk) & (cfg_nslots - 1);
 	s = bpf_map_lookup_elem(&agg_slots, &idx);
 	if (!s) {
@@ -843,6 +950,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	PUT(sc, nelem, nelem);
 	/* No helper calls under the lock: read the clock before. */
 	c.now = bpf_ktime_get_ns();
+	check_proven(s, &c);
 
 	bpf_spin_lock(&s->lock);
 	decide(s, sc, &c);
@@ -857,6 +965,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		if (act != ACT_ADDED) {
 			s->rec.contributors = s->seen;
 			s->state = act == ACT_DONE_ALL ? KCCL_SLOT_DONE : KCCL_SLOT_DELIVERING;
+			s->claimed_ns = c.now;	/* DONE: kept from now on */
 			PUT(sc, ovf, s->rec.overflow);
 		}
 	}
@@ -867,6 +976,13 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	if (act == ACT_DROP) {
 		stat_add(GET(sc, why), 1);
 		return XDP_DROP;
+	}
+	if (act == ACT_PENDING) {
+		__u64 missing = bpf_cpu_to_be64(*(volatile __u64 *)&sc->missing);
+
+		stat_add(KCCL_AS_DUP, 1);
+		stat_add(KCCL_AS_PENDING, 1);
+		return make_answer(ctx, KCCL_T_AGG_PENDING, flags, false, c.bit, sizeof(missing), &missing);
 	}
 	if (act == ACT_ANSWER) {
 		stat_add(KCCL_AS_DUP_DONE, 1);
@@ -893,6 +1009,8 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	r = deliver(s, c.op_id, c.pay_len, c.msg_len, GET(sc, nelem));
 	bpf_spin_lock(&s->lock);
 	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
+	if (!r)
+		s->claimed_ns = c.now;
 	bpf_spin_unlock(&s->lock);
 	if (r) {
 		stat_add(KCCL_AS_RING_FULL, 1);
@@ -908,6 +1026,48 @@ malformed:
 pass:
 	stat_add(KCCL_AS_PASSED, 1);
 	return XDP_PASS;
+}
+
+/*
+ * kccl_agg_sweep: frees ACTIVE slots claimed longer than cfg_slot_timeout_ns
+ * ago (an operation whose member died leaves them behind; a live chunk that
+ * loses its slot is only delayed: its contributors have no answer and
+ * retransmit into a fresh slot, each counted once).  Not attached: the
+ * runtime runs it with BPF_PROG_TEST_RUN (AggEngine::sweep), one pass over
+ * the slots, each under its lock.  Counted in KCCL_AS_SWEPT.
+ */
+struct sweep_ctx {
+	__u64 now;
+	__u64 freed;
+};
+
+static long sweep_one(__u32 i, void *ctx)
+{
+	struct sweep_ctx *x = ctx;
+	struct kccl_agg_slot *s;
+	__u32 idx = i;
+
+	s = bpf_map_lookup_elem(&agg_slots, &idx);
+	if (!s)
+		return 1;
+	bpf_spin_lock(&s->lock);
+	if (s->state == KCCL_SLOT_ACTIVE && x->now - s->claimed_ns > cfg_slot_timeout_ns) {
+		s->state = KCCL_SLOT_FREE;
+		x->freed++;
+	}
+	bpf_spin_unlock(&s->lock);
+	return 0;
+}
+
+SEC("xdp")
+int kccl_agg_sweep(struct xdp_md *ctx)
+{
+	struct sweep_ctx x = { .now = bpf_ktime_get_ns(), .freed = 0 };
+
+	bpf_loop(cfg_nslots, sweep_one, &x, 0);
+	if (x.freed)
+		stat_add(KCCL_AS_SWEPT, x.freed);
+	return XDP_DROP;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -18,6 +18,7 @@
 #define KCCL_AGG_H
 
 #include "kccl_wire.h"
+#include "kccl_bcast.h"	/* KCCL_MAX_MEMBERS */
 
 /* Largest chunk payload the kernel aggregates: an MTU of 3500 (a veth XDP
  * frame must fit one page) leaves 3500 - 20 - 8 - 40 bytes; 3432 is a
@@ -54,12 +55,26 @@ struct kccl_agg_record {
 
 #define KCCL_AGG_RECORD_HDR_LEN	32	/* offsetof(struct kccl_agg_record, acc) */
 
+/*
+ * What each rank has proven it received (index: rank): 0 = nothing, else
+ * (op_id << 32) | (bound + 1): the rank holds the answer of every chunk it
+ * contributed to operations before op_id (serial-number order) and of every
+ * chunk of op_id below `bound`.  Raised by its contributions (chunk c of op
+ * proves bound c + 1 - cfg_window: a contributor sends chunk c only when
+ * every chunk below c + 1 - window is answered) and by KCCL_T_AGG_RECEIPT.
+ * One 64-bit store per update: readers never see a torn value.
+ */
+struct kccl_agg_acks {
+	__u64 v[KCCL_MAX_MEMBERS];
+};
+
 struct kccl_agg_slot {
 	struct bpf_spin_lock lock;
 	__u32 state;		/* enum kccl_slot_state */
 	__u64 expected;		/* contributor mask of the operation */
 	__u64 seen;		/* contributors already added */
-	__u64 claimed_ns;	/* bpf_ktime_get_ns() when the chunk took the slot */
+	__u64 claimed_ns;	/* bpf_ktime_get_ns() when the chunk took the slot;
+				 * DONE: when it completed */
 	struct kccl_agg_record rec;
 };
 
@@ -86,6 +101,10 @@ enum kccl_agg_stat {
 	KCCL_AS_PASSED,		/* not kccl aggregation traffic: passed */
 	KCCL_AS_FANOUT_COPIES,	/* tc_agg_result: copies sent */
 	KCCL_AS_FANOUT_MISSED,	/* tc_agg_result: destinations it could not serve */
+	KCCL_AS_HELD,		/* slot DONE and not yet proven delivered: dropped */
+	KCCL_AS_PENDING,	/* PENDING answers to counted retransmissions */
+	KCCL_AS_RECEIPTS,	/* KCCL_T_AGG_RECEIPT packets taken */
+	KCCL_AS_SWEPT,		/* ACTIVE slots freed by kccl_agg_sweep */
 	KCCL_AS_NR,
 };
 

@@ -24,7 +24,17 @@ enum kccl_msg_type {
 	KCCL_T_AGG_RESULT = 3,	/* allreduce result of one chunk: aggregator -> contributors */
 	KCCL_T_AGG_ACK	  = 4,	/* reduce: chunk aggregated (no payload): aggregator -> contributors */
 	KCCL_T_BCAST_ACK  = 5,	/* broadcast acknowledgment: receiver -> broadcast sender */
-	/* 6 and above: reserved (other protocols of this header) */
+	/* Aggregator -> one contributor: its retransmission of a chunk that is
+	 * still aggregating was already counted.  Payload: 8 bytes, big-endian,
+	 * the contributors of the chunk still missing (bit i: rank
+	 * mask_base + i); dst_mask = the retransmitting contributor's bit. */
+	KCCL_T_AGG_PENDING = 6,
+	/* Contributor -> aggregator, no payload: "I hold the answer of every
+	 * chunk I contributed to operations before msg_seq, and of every chunk
+	 * of msg_seq that starts below frag_off" (cumulative).  Lets the
+	 * aggregator reuse the slots of those chunks (docs/AGGREGATION.md,
+	 * "Slot reuse"). */
+	KCCL_T_AGG_RECEIPT = 7,
 };
 
 /*

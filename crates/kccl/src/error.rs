@@ -31,6 +31,14 @@ pub enum Error {
     #[error("timed out after {ms} ms waiting for {what}")]
     Timeout { ms: u64, what: String },
 
+    /// An aggregation stalled because these contributors sent nothing: the
+    /// aggregator said so (PENDING answers, or the root's own slots).
+    #[error(
+        "{what}: ranks {ranks:?} did not contribute for {ms} ms (the aggregator has every other contribution); \
+         they are dead or stuck. Run the next operation without them (Collective::exclude_ranks) or restart them"
+    )]
+    MembersMissing { what: String, ranks: Vec<u16>, ms: u64 },
+
     #[error("malformed packet: {0}")]
     Wire(#[from] crate::wire::WireError),
 

@@ -68,6 +68,10 @@ pub struct AggEngineConfig {
     /// Wake the reader when the ring holds more than this (or an operation
     /// completed); below, records are written without a wake-up.
     pub wakeup_bytes: u32,
+    /// The job's largest contributor window (AggConfig::window): below
+    /// nslots; a contribution of chunk c proves its sender holds every
+    /// answer below c + 1 - window (docs/AGGREGATION.md, "Slot reuse").
+    pub window: u32,
 }
 
 impl AggEngineConfig {
@@ -83,6 +87,7 @@ impl AggEngineConfig {
             slot_timeout: Duration::from_secs(2),
             ring_bytes: 64 << 20,
             wakeup_bytes: 1 << 20,
+            window: 256,
         }
     }
 
@@ -105,6 +110,9 @@ impl AggEngineConfig {
         }
         if !self.nslots.is_power_of_two() || self.nslots > MAX_SLOTS {
             return bad("nslots", format!("{} must be a power of two between 1 and {MAX_SLOTS}", self.nslots));
+        }
+        if self.window == 0 || self.window >= self.nslots {
+            return bad("window", format!("{} must be at least 1 and below nslots {}", self.window, self.nslots));
         }
         if self.slot_timeout.is_zero() || self.slot_timeout.as_nanos() > u128::from(u64::MAX) {
             return bad("slot_timeout", format!("{:?} must be positive and fit 64-bit nanoseconds", self.slot_timeout));
@@ -205,6 +213,15 @@ agg_stats! {
     fanout_copies,
     /// tc_agg_result: destinations it could not serve.
     fanout_missed,
+    /// Another chunk wanted a DONE slot whose answer not every contributor
+    /// has proven to hold yet: dropped (retransmitted by its sender).
+    held,
+    /// PENDING answers (missing contributors) to counted retransmissions.
+    pending,
+    /// KCCL_T_AGG_RECEIPT packets taken.
+    receipts,
+    /// ACTIVE slots freed by the sweep (AggEngine::sweep).
+    swept,
 }
 
 /// enum kccl_slot_state
@@ -418,6 +435,7 @@ impl AggEngine {
         ro.cfg_nslots = cfg.nslots;
         ro.cfg_slot_timeout_ns = cfg.slot_timeout.as_nanos() as u64;
         ro.cfg_wakeup_bytes = u64::from(cfg.wakeup_bytes);
+        ro.cfg_window = cfg.window;
         let sizing = |e| Error::Bpf { step: "sizing the aggregation maps".into(), source: e };
         open.maps.agg_slots.set_max_entries(cfg.nslots).map_err(sizing)?;
         open.maps.agg_records.set_max_entries(cfg.ring_bytes).map_err(sizing)?;
@@ -716,6 +734,51 @@ impl AggEngine {
         self.misses.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
     }
 
+    /// Runs kccl_agg_sweep once (BPF_PROG_TEST_RUN): frees every ACTIVE slot
+    /// claimed more than `slot_timeout` ago (left behind by an operation
+    /// whose member died).  Returns how many it freed.
+    pub fn sweep(&self) -> Result<u64> {
+        let before = self.stats()?.swept;
+        let input = [0u8; 64];
+        self.xdp
+            .progs
+            .kccl_agg_sweep
+            .test_run(libbpf_rs::ProgramInput { data_in: Some(&input), ..Default::default() })
+            .map_err(|e| Error::Bpf { step: "running kccl_agg_sweep".into(), source: e })?;
+        Ok(self.stats()?.swept.saturating_sub(before))
+    }
+
+    /// What rank `rank` has proven it received (struct kccl_agg_acks):
+    /// None, or (op id, bound): every answer of earlier operations and of
+    /// chunks below `bound` of this one.
+    pub fn ack_of(&self, rank: u16) -> Result<Option<(u32, u32)>> {
+        let v = self
+            .xdp
+            .maps
+            .agg_acks
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| Error::Bpf { step: "reading agg_acks".into(), source: e })?
+            .unwrap_or_default();
+        let off = usize::from(rank) * 8;
+        if v.len() < off + 8 {
+            return Err(Error::Usage(format!("agg_acks has no entry for rank {rank}")));
+        }
+        let a = u64::from_ne_bytes(v[off..off + 8].try_into().unwrap_or([0; 8]));
+        Ok((a != 0).then(|| ((a >> 32) as u32, (a as u32).wrapping_sub(1))))
+    }
+
+    /// Slots held by operation `op_id` (any state but FREE), as (index, state).
+    pub fn slots_of_op(&self, op_id: u32) -> Result<Vec<(u32, SlotState)>> {
+        let mut out = Vec::new();
+        for index in 0..self.cfg.nslots {
+            let s = self.slot(index)?;
+            if s.state != SlotState::Free && s.job_id == self.cfg.job_id && s.op_id == op_id {
+                out.push((index, s.state));
+            }
+        }
+        Ok(out)
+    }
+
     /// The slot of chunk `frag_off` of operation `op_id` (the program's hash).
     pub fn slot_index(&self, op_id: u32, frag_off: u32) -> u32 {
         let chunk = frag_off / self.cfg.chunk_bytes;
@@ -879,8 +942,9 @@ mod tests {
         assert_eq!(offset_of!(S, claimed_ns), 24);
         assert_eq!(offset_of!(S, rec), 32);
         assert_eq!(size_of::<S>(), 32 + size_of::<R>());
-        // enum kccl_agg_stat has KCCL_AS_NR = 21 counters.
-        assert_eq!(AggStats::N, 21);
+        // enum kccl_agg_stat has KCCL_AS_NR = 25 counters.
+        assert_eq!(AggStats::N, 25);
+        assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
     }
 
     #[test]

@@ -20,6 +20,11 @@ pub const ACK_MAX_BITS: usize = 8192;
 /// enum kccl_ack_flag
 pub const ACK_COMPLETE: u16 = 1 << 0;
 pub const ACK_GAP: u16 = 1 << 1;
+/// Aggregator -> contributor: a counted retransmission; payload = the
+/// chunk's missing contributors (u64 mask, big-endian).
+pub const T_AGG_PENDING: u8 = 6;
+/// Contributor -> aggregator: cumulative receipt of answers (no payload).
+pub const T_AGG_RECEIPT: u8 = 7;
 pub const F_FANOUT: u16 = 1 << 0;
 pub const F_LAST_FRAG: u16 = 1 << 1;
 pub const F_ALLREDUCE: u16 = 1 << 2;
@@ -145,12 +150,15 @@ impl Header {
         }
         let end = h.frag_off as u64 + h.payload_len as u64;
         // An empty fragment only ends an empty message, except an aggregation
-        // ACK, which names its chunk by frag_off/msg_len and carries no data.
-        // A broadcast ACK's payload is its report, not message data.
+        // ACK or RECEIPT, which name a chunk by frag_off/msg_len and carry no
+        // data.  A broadcast ACK's payload is its report, and a PENDING's a
+        // mask, not message bytes.
         if h.msg_type == T_BCAST_ACK {
             return Ok((h, payload));
         }
-        if end > h.msg_len as u64 || (h.payload_len == 0 && h.msg_len != 0 && h.msg_type != T_AGG_ACK) {
+        let no_data = matches!(h.msg_type, T_AGG_ACK | T_AGG_RECEIPT);
+        if (end > h.msg_len as u64 && h.msg_type != T_AGG_PENDING) || (h.payload_len == 0 && h.msg_len != 0 && !no_data)
+        {
             return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
         }
         Ok((h, payload))
@@ -365,6 +373,8 @@ mod tests {
             ("KCCL_ACK_MAX_BITS", ACK_MAX_BITS as i64),
             ("KCCL_ACK_COMPLETE", ACK_COMPLETE as i64),
             ("KCCL_ACK_GAP", ACK_GAP as i64),
+            ("KCCL_T_AGG_PENDING", T_AGG_PENDING as i64),
+            ("KCCL_T_AGG_RECEIPT", T_AGG_RECEIPT as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),

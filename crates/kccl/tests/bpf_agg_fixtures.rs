@@ -44,8 +44,8 @@ use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_RESULT, T_BCAST,
-    VERSION,
+    Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_PENDING,
+    T_AGG_RECEIPT, T_AGG_RESULT, T_BCAST, VERSION,
 };
 
 mod support;
@@ -287,6 +287,24 @@ impl Contrib {
     fn ack(&self, overflow: bool, dst_mask: u64) -> Vec<u8> {
         self.answer(T_AGG_ACK, overflow, dst_mask, vec![])
     }
+
+    /// The PENDING answer to a counted retransmission: to its sender only,
+    /// the missing contributors as an 8-byte big-endian mask.
+    fn pending(&self, missing: u64) -> Vec<u8> {
+        let mut a = self.clone();
+        a.flags &= F_LAST_FRAG;
+        a.answer(T_AGG_PENDING, false, 1 << (self.src - self.mask_base), missing.to_be_bytes().to_vec())
+    }
+
+    /// Rank src's receipt: every answer of op_id (msg_len bytes) received.
+    fn receipt(src: u16, op_id: u32, msg_len: u32) -> Contrib {
+        let mut c = Contrib::new(src, op_id, SUM, I32, &[src], &[]);
+        c.msg_type = T_AGG_RECEIPT;
+        c.flags = 0;
+        c.frag_off = msg_len;
+        c.msg_len = msg_len;
+        c
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -373,13 +391,15 @@ enum Engine {
     Chunk3432,
     ShortTimeout,
     SmallRing,
+    /// A fresh engine for the slot-reuse fixtures (its agg_acks start empty).
+    Acks,
 }
 
 impl Engine {
     fn config(self) -> AggEngineConfig {
         let mut c = AggEngineConfig::new(JOB, AGG_PORT, AGG_RANK);
         match self {
-            Engine::Default => {}
+            Engine::Default | Engine::Acks => {}
             Engine::Chunk3432 => c.chunk_bytes = 3432,
             Engine::ShortTimeout => c.slot_timeout = Duration::from_millis(200),
             Engine::SmallRing => {
@@ -568,11 +588,17 @@ fn fixtures() -> Vec<Fixture> {
         let (acc, _) = reduce(SUM, I32, &vals);
         let (bytes, _) = wire_result(I32, &acc);
         let mut f = Fixture::new("duplicates of ranks 1 and 2 ignored (allreduce SUM I32)", d);
-        f.drop(&c[0]).drop(&c[0]).drop(&c[1]).drop(&c[0]).drop(&c[1]);
+        // Each counted retransmission is answered with PENDING naming the
+        // contributors still missing.
+        let all = mask_of(&ranks);
+        let (b0, b1) = (1u64 << ranks[0], 1u64 << ranks[1]);
+        f.drop(&c[0]).pass(&c[0], c[0].pending(all & !b0)).drop(&c[1]);
+        f.pass(&c[0], c[0].pending(all & !b0 & !b1)).pass(&c[1], c[1].pending(all & !b0 & !b1));
         f.pass(&c[2], c[2].answer(T_AGG_RESULT, false, mask_of(&ranks), bytes));
         f.stats = stats(|s| {
             s.pkts = 3;
             s.dup = 3;
+            s.pending = 3;
             s.chunks_done = 1;
             s.results = 1;
         });
@@ -584,10 +610,11 @@ fn fixtures() -> Vec<Fixture> {
         let op_id = ids.alloc(d, &[0]);
         let c = Contrib::new(1, op_id, SUM, I32, &ranks, &[1, 2]);
         let mut f = Fixture::new("duplicate while active: slot stays ACTIVE with one contributor", d);
-        f.drop(&c).drop(&c);
+        f.drop(&c).pass(&c, c.pending(mask_of(&ranks) & !(1 << 1)));
         f.stats = stats(|s| {
             s.pkts = 1;
             s.dup = 1;
+            s.pending = 1;
         });
         f.slots = vec![(op_id, 0, SlotState::Active, 1 << 1)];
         t.push(f);
@@ -723,11 +750,12 @@ fn fixtures() -> Vec<Fixture> {
             .collect();
         let mut f = Fixture::new("short chunks after a full one: no stale scratch bytes in the result", d);
         f.drop(&filler).drop(&c32[0]).pass(&c32[1], c32[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[5])));
-        f.drop(&filler).drop(&c64[0]);
+        f.pass(&filler, filler.pending(mask_of(&ranks) & !(1 << 1))).drop(&c64[0]);
         f.pass(&c64[1], c64[1].answer(T_AGG_RESULT, false, 0b110, encode(I64, &[(1 << 40) - 3])));
         f.stats = stats(|s| {
             s.pkts = 5;
             s.dup = 1;
+            s.pending = 1;
             s.chunks_done = 2;
             s.results = 2;
         });
@@ -1248,6 +1276,159 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
 
+    // 9. Slot reuse (docs/AGGREGATION.md, "Slot reuse"), on a fresh engine
+    //    (empty agg_acks).  A DONE chunk keeps its slot until each of its
+    //    contributors proved it holds the answer (a contribution to a later
+    //    operation, or a RECEIPT): a contributor whose RESULT was lost still
+    //    gets it from the slot after another chunk wanted the slot.
+    let a = Engine::Acks;
+    {
+        let op_a = ids.alloc(a, &[0]);
+        let op_b = ids.colliding(a, op_a);
+        let ca: Vec<Contrib> = [(1u16, 10i64), (2, 20)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, op_a, SUM, I32, &[1, 2], &[v]).allreduce())
+            .collect();
+        let cb: Vec<Contrib> = [(1u16, 100i64), (2, 200)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, op_b, SUM, I32, &[1, 2], &[v]).allreduce())
+            .collect();
+        let res_a = encode(I32, &[30]);
+        let mut f = Fixture::new("lost RESULT: the slot is held for the contributor that lacks it, then reused", a);
+        f.drop(&ca[0]).pass(&ca[1], ca[1].answer(T_AGG_RESULT, false, 0b110, res_a.clone()));
+        // Rank 1 has its RESULT and starts op B in the same slot: held
+        // (rank 2 proved nothing yet).
+        f.drop(&cb[0]);
+        // Rank 2 lost its RESULT: its retransmission is answered from the slot.
+        f.pass(&ca[1], ca[1].answer(T_AGG_RESULT, false, 0b100, res_a));
+        // A receipt from a source that is not rank 2's address: ignored.
+        let mut forged = Contrib::receipt(2, op_a, 4);
+        forged.saddr = Some(ip_of(7));
+        f.drop(&forged);
+        // Rank 2's receipt proves it; rank 1's retransmission of B claims.
+        f.drop(&Contrib::receipt(2, op_a, 4));
+        f.drop(&cb[0]).pass(&cb[1], cb[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[300])));
+        // A retransmission of A now finds B's DONE chunk: held, never added.
+        f.drop(&ca[0]);
+        f.stats = stats(|s| {
+            s.pkts = 4;
+            s.chunks_done = 2;
+            s.results = 3;
+            s.dup_done = 1;
+            s.held = 2;
+            s.receipts = 1;
+            s.not_member = 1;
+        });
+        f.slots = vec![(op_b, 0, SlotState::Done, 0b110)];
+        t.push(f);
+    }
+    {
+        // Contributions prove receipt too: one to a later operation proves
+        // every earlier one (no receipt needed).
+        let op_a = ids.alloc(a, &[0]);
+        let op_b = ids.colliding(a, op_a);
+        // A later op id in a slot of its own.
+        let op_c = (op_b + 1..)
+            .find(|&o| {
+                let sl = OpIds::slot(a, o, 0);
+                sl != OpIds::slot(a, op_a, 0) && !ids.used.contains(&(a, sl))
+            })
+            .expect("a free slot");
+        ids.used.insert((a, OpIds::slot(a, op_c, 0)));
+        let ca: Vec<Contrib> =
+            [3u16, 4].iter().map(|&r| Contrib::new(r, op_a, MAX, I32, &[3, 4], &[i64::from(r)])).collect();
+        let cb: Vec<Contrib> = [3u16, 4].iter().map(|&r| Contrib::new(r, op_b, MAX, I32, &[3, 4], &[7])).collect();
+        let c2 = Contrib::new(4, op_c, SUM, I32, &[4, 9], &[1]);
+        let mut f = Fixture::new("a contribution to a later operation proves receipt: held slot reused", a);
+        f.drop(&ca[0]).pass(&ca[1], ca[1].ack(false, 0b11000));
+        f.drop(&cb[0]).drop(&c2).drop(&cb[0]).pass(&cb[1], cb[1].ack(false, 0b11000));
+        f.stats = stats(|s| {
+            s.pkts = 5;
+            s.chunks_done = 2;
+            s.acks = 2;
+            s.records = 2;
+            s.held = 1;
+        });
+        f.records = vec![
+            Rec {
+                op_id: op_a,
+                frag_off: 0,
+                msg_len: 4,
+                payload_len: 4,
+                agg_op: MAX,
+                dtype: I32,
+                overflow: false,
+                contributors: 0b11000,
+                values: vec![4],
+            },
+            Rec {
+                op_id: op_b,
+                frag_off: 0,
+                msg_len: 4,
+                payload_len: 4,
+                agg_op: MAX,
+                dtype: I32,
+                overflow: false,
+                contributors: 0b11000,
+                values: vec![7],
+            },
+        ];
+        t.push(f);
+    }
+    {
+        // A 4-byte chunk: the PENDING answer grows the packet to its 8-byte mask.
+        let op_id = ids.alloc(a, &[0]);
+        let c = Contrib::new(7, op_id, SUM, I32, &[7, 8, 9], &[5]);
+        let mut f = Fixture::new("PENDING to a 4-byte chunk's retransmission carries the 8-byte mask", a);
+        f.drop(&c).pass(&c, c.pending(1 << 8 | 1 << 9)).drop(&Contrib::receipt(7, op_id, 4));
+        f.stats = stats(|s| {
+            s.pkts = 1;
+            s.dup = 1;
+            s.pending = 1;
+            s.receipts = 1;
+        });
+        f.slots = vec![(op_id, 0, SlotState::Active, 1 << 7)];
+        t.push(f);
+    }
+    {
+        // Op ids wrap at 2^32 (serial-number order): op 0xffffffff, then an
+        // op after the wrap in the same slot.  Retransmissions of either are
+        // never added twice, and the old one is never added to the new one.
+        let old = u32::MAX;
+        let want = OpIds::slot(a, old, 0);
+        let new = (0u32..).find(|&o| OpIds::slot(a, o, 0) == want).expect("some op id after the wrap collides");
+        let co: Vec<Contrib> = [(5u16, 3i64), (6, 4)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, old, SUM, I64, &[5, 6], &[v]).allreduce())
+            .collect();
+        let cn: Vec<Contrib> = [(5u16, 50i64), (6, 60)]
+            .iter()
+            .map(|&(r, v)| Contrib::new(r, new, SUM, I64, &[5, 6], &[v]).allreduce())
+            .collect();
+        let mut f = Fixture::new(format!("op ids across the 2^32 wrap ({old:#x} -> {new}): no double count"), a);
+        f.drop(&co[0]).pass(&co[0], co[0].pending(1 << 6));
+        f.pass(&co[1], co[1].answer(T_AGG_RESULT, false, 0b1100000, encode(I64, &[7])));
+        f.pass(&co[0], co[0].answer(T_AGG_RESULT, false, 1 << 5, encode(I64, &[7])));
+        // rank 1 starts the new op: held until rank 2 also moved past old
+        f.drop(&cn[0]);
+        f.drop(&cn[1]); // proves rank 2; both proved: claims (stores 60)
+        f.pass(&cn[1], cn[1].pending(1 << 5));
+        f.pass(&cn[0], cn[0].answer(T_AGG_RESULT, false, 0b1100000, encode(I64, &[110])));
+        f.pass(&cn[0], cn[0].answer(T_AGG_RESULT, false, 1 << 5, encode(I64, &[110])));
+        f.drop(&co[1]); // the pre-wrap op again: held, not added
+        f.stats = stats(|s| {
+            s.pkts = 4;
+            s.chunks_done = 2;
+            s.results = 4;
+            s.dup = 2;
+            s.pending = 2;
+            s.dup_done = 2;
+            s.held = 2;
+        });
+        f.slots = vec![(new, 0, SlotState::Done, 0b1100000)];
+        t.push(f);
+    }
+
     t
 }
 
@@ -1430,7 +1611,7 @@ fn xdp_agg_fixture_table() {
     let table = fixtures();
     let t0 = Instant::now();
     let mut failed = Vec::new();
-    for engine in [Engine::Default, Engine::Chunk3432, Engine::ShortTimeout, Engine::SmallRing] {
+    for engine in [Engine::Default, Engine::Chunk3432, Engine::ShortTimeout, Engine::SmallRing, Engine::Acks] {
         let tl = Instant::now();
         let mut e = AggEngine::open(&engine.config()).expect("loading xdp_agg + tc_agg_result");
         members(&mut e).expect("members");

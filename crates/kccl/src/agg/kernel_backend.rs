@@ -13,13 +13,13 @@
 //! poll_records(timeout, &mut dyn FnMut(AggRecordView)) -> Result<usize> (here its
 //! bounded form poll_records_max).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::agg::user::{AggSink, ChunkDone, UserAggregator};
 use crate::agg::AggConfig;
 use crate::error::Result;
 use crate::group::{Group, Member};
-use crate::kernel_agg::{AggEngine, AggEngineConfig};
+use crate::kernel_agg::{AggEngine, AggEngineConfig, SlotState};
 use crate::netns;
 
 pub(crate) struct KernelBackend {
@@ -29,6 +29,8 @@ pub(crate) struct KernelBackend {
     job_id: u32,
     /// Serves what the kernel passes up.
     pub user: UserAggregator,
+    sweep_every: Duration,
+    last_sweep: Instant,
 }
 
 impl KernelBackend {
@@ -38,9 +40,35 @@ impl KernelBackend {
         c.chunk_bytes = chunk as u32;
         c.nslots = cfg.nslots.next_power_of_two() as u32;
         c.slot_timeout = cfg.slot_timeout;
+        c.window = cfg.window as u32;
         let mut engine = AggEngine::load(&c, ifindex)?;
         engine.sync_members(group)?;
-        Ok(KernelBackend { engine: Box::new(engine), job_id: group.job_id, user })
+        let sweep_every = cfg.slot_timeout / 4;
+        Ok(KernelBackend {
+            engine: Box::new(engine),
+            job_id: group.job_id,
+            user,
+            sweep_every,
+            last_sweep: Instant::now(),
+        })
+    }
+
+    /// Runs the kernel's sweep (frees ACTIVE slots older than slot_timeout:
+    /// operations whose member died) every slot_timeout / 4.
+    pub fn maybe_sweep(&mut self) -> Result<()> {
+        if self.last_sweep.elapsed() < self.sweep_every {
+            return Ok(());
+        }
+        self.last_sweep = Instant::now();
+        self.engine.sweep().map(|_| ())
+    }
+
+    /// The contributors chunk `frag_off` of `op_id` still waits for, if its
+    /// slot is aggregating it: (mask_base, missing mask).
+    pub fn missing(&self, op_id: u32, frag_off: u32) -> Option<(u16, u64)> {
+        let s = self.engine.slot(self.engine.slot_index(op_id, frag_off)).ok()?;
+        (s.state == SlotState::Active && s.job_id == self.job_id && s.op_id == op_id && s.frag_off == frag_off)
+            .then_some((s.mask_base, s.expected & !s.seen))
     }
 
     pub fn engine(&self) -> &AggEngine {
@@ -51,6 +79,7 @@ impl KernelBackend {
     /// most `max` of them: the rest stay in the ring, in order (see
     /// `AggEngine::poll_records_max`).
     pub fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
+        self.maybe_sweep()?;
         let job = self.job_id;
         self.engine.poll_records_max(timeout, max, &mut |r| {
             if r.job_id != job {

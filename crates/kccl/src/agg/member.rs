@@ -1,17 +1,23 @@
 //! The contributor side of one aggregation operation: windowed sending,
 //! per-chunk answer tracking, retransmission, deadline.
 //!
-//! At most `window` chunks beyond the lowest unanswered one are in flight
-//! (`window` < the aggregator's slot count, so two chunks of one operation
-//! never need the same slot).  New chunks of the window go out in one
-//! sendmmsg per round.  When no new answer arrived for `rto`, every
+//! At most `cwnd` chunks beyond the lowest unanswered one are in flight.
+//! `cwnd` is an AIMD congestion window bounded by `window` (< the
+//! aggregator's slot count, so two chunks of one operation never need the
+//! same slot, and a contribution of chunk c proves its sender holds every
+//! answer below c + 1 - window: docs/AGGREGATION.md, "Slot reuse"): it
+//! grows by one chunk per answer up to `ssthresh` and by one chunk per
+//! window of answers above it, and halves on every retransmission stall.
+//! New chunks of the window go out in one sendmmsg per round.  When no new answer arrived for `rto`, every
 //! unanswered chunk of the window is sent again (duplicates are harmless: the
 //! aggregator's bitmap suppresses them and a finished chunk answers again);
 //! each stall doubles the wait for the next one (up to 16 x rto) until an
 //! answer arrives,
 //! so a late aggregator is not flooded with copies of the window.
 //! When no answer arrived for `deadline`, the operation fails with
-//! Error::Timeout naming the missing chunks.
+//! Error::MembersMissing naming the ranks the aggregator still waits for
+//! (from its PENDING answers to retransmissions already counted), or
+//! Error::Timeout naming the missing chunks when the aggregator said nothing.
 //!
 //! Answers are accepted only from the aggregator's address and rank, for
 //! this job and operation, of the right type (ACK for reduce, RESULT for
@@ -25,7 +31,10 @@ use crate::agg::codec::Enc;
 use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
 use crate::error::{Error, Result};
 use crate::sock::{BatchSocket, Datagram};
-use crate::wire::{Header, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_RESULT};
+use crate::wire::{
+    Header, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT,
+    VERSION,
+};
 
 /// Counters of the contributor role (summed over operations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -48,6 +57,16 @@ pub struct ContribStats {
     pub bad_answers: u64,
     /// RESULT chunks with KCCL_F_OVERFLOW.
     pub overflow_chunks: u64,
+    /// PENDING answers (a retransmission the aggregator had already counted).
+    pub pending: u64,
+    /// Congestion window halvings (one per retransmission stall).
+    pub window_cuts: u64,
+    /// Smallest congestion window used (chunks; 0: no operation yet).
+    pub window_min: u64,
+    /// Largest congestion window used (chunks).
+    pub window_max: u64,
+    /// Congestion window at the end of the last operation (chunks).
+    pub window_last: u64,
 }
 
 impl ContribStats {
@@ -62,6 +81,15 @@ impl ContribStats {
         self.stale_answers += o.stale_answers;
         self.bad_answers += o.bad_answers;
         self.overflow_chunks += o.overflow_chunks;
+        self.pending += o.pending;
+        self.window_cuts += o.window_cuts;
+        if o.window_min != 0 {
+            self.window_min = if self.window_min == 0 { o.window_min } else { self.window_min.min(o.window_min) };
+        }
+        self.window_max = self.window_max.max(o.window_max);
+        if o.window_last != 0 {
+            self.window_last = o.window_last;
+        }
     }
 }
 
@@ -85,9 +113,43 @@ pub struct Spec {
 
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
+    /// Largest window (AggConfig::window).
     pub window: usize,
     pub rto: Duration,
     pub deadline: Duration,
+}
+
+/// AIMD congestion window of a sender toward one aggregator, carried from
+/// operation to operation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cwnd {
+    pub cwnd: f64,
+    pub ssthresh: f64,
+}
+
+impl Cwnd {
+    /// A fresh window: starts at 64 chunks (at most `max`), grows by one
+    /// chunk per answer up to `max`.
+    pub fn new(max: usize) -> Cwnd {
+        Cwnd { cwnd: 64f64.min(max as f64).max(1.0), ssthresh: max as f64 }
+    }
+
+    /// One more chunk answered: +1 below ssthresh, +1/cwnd above.
+    pub fn on_answer(&mut self, max: usize) {
+        let inc = if self.cwnd < self.ssthresh { 1.0 } else { 1.0 / self.cwnd };
+        self.cwnd = (self.cwnd + inc).min(max as f64);
+    }
+
+    /// A retransmission stall (loss or an overloaded aggregator): halve.
+    pub fn on_stall(&mut self) {
+        self.ssthresh = (self.cwnd / 2.0).max(1.0);
+        self.cwnd = self.ssthresh;
+    }
+
+    /// Chunks allowed in flight.
+    pub fn chunks(&self) -> usize {
+        (self.cwnd as usize).max(1)
+    }
 }
 
 /// What became of an answer-type datagram.
@@ -96,6 +158,8 @@ pub enum Verdict {
     /// A new chunk answered (RESULT payload passed to the decoder).
     Progress,
     Duplicate,
+    /// A PENDING answer: who the aggregator still waits for.
+    Pending,
     Stale,
     Bad,
 }
@@ -123,11 +187,17 @@ pub struct Contributor<'e> {
     cur_rto: Duration,
     started: Instant,
     overflowed: Vec<usize>,
+    /// The congestion window (see the module comment).
+    pub cwnd: Cwnd,
+    /// Contributors every PENDING since the last progress named as missing
+    /// (intersection: a live member can look missing in one slot that was
+    /// just re-claimed, a dead one is missing in all); None: no PENDING.
+    missing: Option<u64>,
     pub stats: ContribStats,
 }
 
 impl<'e> Contributor<'e> {
-    pub fn new(spec: Spec, enc: Enc<'e>, t: Timing) -> Contributor<'e> {
+    pub fn new(spec: Spec, enc: Enc<'e>, t: Timing, cwnd: Cwnd) -> Contributor<'e> {
         let msg_len = enc.msg_len();
         let nchunks = chunk_count(msg_len, spec.chunk);
         let window = t.window.clamp(1, nchunks.max(1));
@@ -149,7 +219,14 @@ impl<'e> Contributor<'e> {
             cur_rto: t.rto,
             started: now,
             overflowed: Vec::new(),
-            stats: ContribStats::default(),
+            cwnd,
+            missing: None,
+            stats: ContribStats {
+                window_min: cwnd.chunks() as u64,
+                window_max: cwnd.chunks() as u64,
+                window_last: cwnd.chunks() as u64,
+                ..ContribStats::default()
+            },
             spec,
         }
     }
@@ -192,11 +269,14 @@ impl<'e> Contributor<'e> {
             }
             self.stats.retransmits += self.todo.len() as u64;
             self.stats.stalls += 1;
+            self.cwnd.on_stall();
+            self.stats.window_cuts += 1;
+            self.note_window();
             // Back off until an answer comes (then rto again).
             self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
             self.last_retx = now;
         }
-        let limit = (self.lo + w).min(self.nchunks);
+        let limit = (self.lo + self.cwnd.chunks().min(w)).min(self.nchunks);
         let stride = HDR_LEN + self.spec.chunk;
         let flags =
             if self.spec.allreduce { F_ALLREDUCE } else { 0 } | if self.spec.user_only { F_USER_ONLY } else { 0 };
@@ -263,6 +343,28 @@ impl<'e> Contributor<'e> {
             self.stats.stale_answers += 1;
             return Verdict::Stale;
         }
+        if h.msg_type == T_AGG_PENDING {
+            let c = h.frag_off as usize / s.chunk;
+            let ok = h.frag_off as usize % s.chunk == 0
+                && c < self.nchunks
+                && h.msg_len as usize == self.msg_len
+                && h.mask_base == s.mask_base
+                && payload.len() == 8;
+            if !ok {
+                self.stats.bad_answers += 1;
+                return Verdict::Bad;
+            }
+            if self.is_acked(c) {
+                self.stats.dup_answers += 1;
+                return Verdict::Duplicate;
+            }
+            let mut b = [0u8; 8];
+            b.copy_from_slice(payload);
+            let m = u64::from_be_bytes(b) & s.mask;
+            self.missing = Some(self.missing.map_or(m, |x| x & m));
+            self.stats.pending += 1;
+            return Verdict::Pending;
+        }
         let want_type = if s.allreduce { T_AGG_RESULT } else { T_AGG_ACK };
         let off = h.frag_off as usize;
         let c = off / s.chunk;
@@ -297,7 +399,42 @@ impl<'e> Contributor<'e> {
         }
         self.last_progress = now;
         self.cur_rto = self.t.rto;
+        self.missing = None;
+        self.cwnd.on_answer(self.t.window);
+        self.note_window();
         Verdict::Progress
+    }
+
+    fn note_window(&mut self) {
+        let w = self.cwnd.chunks() as u64;
+        self.stats.window_min = self.stats.window_min.min(w);
+        self.stats.window_max = self.stats.window_max.max(w);
+        self.stats.window_last = w;
+    }
+
+    /// The receipt that lets the aggregator reuse this operation's slots:
+    /// every chunk is answered (or, after an error, no longer wanted).
+    pub fn send_receipt(&self, sock: &BatchSocket) -> Result<()> {
+        let s = &self.spec;
+        let h = Header {
+            version: VERSION,
+            msg_type: T_AGG_RECEIPT,
+            flags: 0,
+            job_id: s.job_id,
+            src_rank: s.my_rank,
+            mask_base: s.mask_base,
+            dst_mask: s.mask,
+            msg_seq: s.op_id,
+            frag_off: self.msg_len as u32,
+            msg_len: self.msg_len as u32,
+            payload_len: 0,
+            agg_op: s.agg_op,
+            dtype: self.dtype,
+        };
+        let mut hb = [0u8; HDR_LEN];
+        h.encode(&mut hb);
+        sock.send_all(&[Datagram { to: s.agg_addr, head: &hb, body: &[] }])?;
+        Ok(())
     }
 
     /// How long to wait for answers before the next timer (rto or deadline).
@@ -308,13 +445,28 @@ impl<'e> Contributor<'e> {
         retx.min(dead).max(Duration::from_micros(200))
     }
 
+    /// Error::MembersMissing (the aggregator named who it waits for) or
     /// Error::Timeout once no answer came for `deadline`.
     pub fn check_deadline(&self, now: Instant) -> Result<()> {
         let since = now.duration_since(self.last_progress);
         if since < self.t.deadline {
             return Ok(());
         }
-        Err(self.timeout_error(since))
+        let me = 1u64.checked_shl(u32::from(self.spec.my_rank.wrapping_sub(self.spec.mask_base))).unwrap_or(0);
+        match self.missing.map(|m| m & !me) {
+            Some(m) if m != 0 => Err(Error::MembersMissing {
+                what: format!(
+                    "{} ({} of {} chunks unanswered by aggregator rank {})",
+                    self.spec.what,
+                    self.nchunks - self.nacked,
+                    self.nchunks,
+                    self.spec.agg_rank
+                ),
+                ranks: (0..64).filter(|b| m >> b & 1 != 0).map(|b| self.spec.mask_base + b).collect(),
+                ms: since.as_millis() as u64,
+            }),
+            _ => Err(self.timeout_error(since)),
+        }
     }
 
     fn timeout_error(&self, since: Duration) -> Error {
@@ -445,7 +597,7 @@ mod tests {
         let sock =
             BatchSocket::bind(Ipv4Addr::LOCALHOST, g.members[rank as usize].port, 8 << 20, 8 << 20).expect("bind");
         let mut rb = RecvBatch::new(256, HDR_LEN + CHUNK + 1);
-        let mut c = Contributor::new(spec(g, rank, mask, 9), Enc::I32(data), t);
+        let mut c = Contributor::new(spec(g, rank, mask, 9), Enc::I32(data), t, Cwnd::new(t.window));
         let mut out = vec![0i64; data.len()];
         let res = (|| loop {
             let now = Instant::now();
@@ -548,7 +700,7 @@ mod tests {
         let g = group(&free_ports(3));
         let data = data(1, 40); // 3 chunks
         let t = Timing { window: 8, rto: Duration::from_secs(1), deadline: Duration::from_secs(1) };
-        let mut c = Contributor::new(spec(&g, 1, 0b110, 9), Enc::I32(&data), t);
+        let mut c = Contributor::new(spec(&g, 1, 0b110, 9), Enc::I32(&data), t, Cwnd::new(t.window));
         let agg = SocketAddrV4::new(Ipv4Addr::LOCALHOST, g.members[0].port);
         let good = |c: usize, len: u16| Header {
             version: crate::wire::VERSION,

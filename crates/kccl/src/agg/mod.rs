@@ -41,12 +41,12 @@ use crate::netns;
 use crate::sock::{BatchSocket, RecvBatch};
 use crate::wire::{
     Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM, T_AGG,
-    T_AGG_ACK, T_AGG_RESULT,
+    T_AGG_ACK, T_AGG_PENDING, T_AGG_RESULT,
 };
 
 pub use crate::bcast::{Path, PathChoice};
 use codec::{Dst, Enc, FinEnc, Finish, OutOfRange, Src};
-use member::{ContribStats, Contributor, Spec, Timing};
+use member::{ContribStats, Contributor, Cwnd, Spec, Timing};
 use user::{Admit, AggSink, AggStats, AllreduceOnly, ChunkDone, MismatchEvent, UserAggConfig, UserAggregator};
 
 /// Aggregation operation (enum kccl_agg_op).
@@ -315,6 +315,18 @@ impl AggBackend {
         match self {
             AggBackend::User(_) => Ok(None),
             AggBackend::Kernel(k) => k.engine().stats().map(Some),
+        }
+    }
+
+    /// The kernel slot's missing contributors of a chunk being aggregated.
+    fn kernel_missing(&self, op_id: u32, frag_off: u32) -> Option<(u16, u64)> {
+        match self {
+            AggBackend::User(_) => {
+                let _ = (op_id, frag_off);
+                None
+            }
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.missing(op_id, frag_off),
         }
     }
 
@@ -800,6 +812,10 @@ pub struct Collective {
     stash: Stash,
     stats: CollectiveStats,
     scratch: Vec<i64>,
+    /// AIMD window toward each aggregating rank, kept across operations.
+    cwnds: std::collections::HashMap<u16, Cwnd>,
+    /// Ranks left out of every contributor set (Collective::exclude_ranks).
+    excluded: Vec<u16>,
 }
 
 /// Where RESULT chunks go: (chunk, payload, overflow).
@@ -845,7 +861,7 @@ fn pump(
                 agg.count_datagram();
                 agg.ingest(&h, p, from, now, sink);
             }
-            Ok((h, p)) if h.msg_type == T_AGG_RESULT || h.msg_type == T_AGG_ACK => match contrib.as_mut() {
+            Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
                 Some((c, dec)) => {
                     c.on_answer(&h, p, from, now, &mut **dec);
                 }
@@ -902,7 +918,32 @@ impl Collective {
             stash: Stash::default(),
             stats: CollectiveStats::default(),
             scratch: Vec::with_capacity(chunk / 4),
+            cwnds: Default::default(),
+            excluded: Vec::new(),
         })
+    }
+
+    /// Runs the following operations without `ranks` (e.g. the ones an
+    /// Error::MembersMissing named): they are left out of every contributor
+    /// set.  Every remaining member must exclude the same ranks before its
+    /// next call (their contributor masks must agree), and the excluded
+    /// ranks must not call again.  A reduce root cannot be excluded.
+    pub fn exclude_ranks(&mut self, ranks: &[u16]) -> Result<()> {
+        if ranks.contains(&self.me.rank) {
+            return Err(Error::Usage(format!("rank {} cannot exclude itself", self.me.rank)));
+        }
+        for &r in ranks {
+            self.group.member(r.into())?;
+            if !self.excluded.contains(&r) {
+                self.excluded.push(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ranks excluded with [`exclude_ranks`](Self::exclude_ranks).
+    pub fn excluded_ranks(&self) -> &[u16] {
+        &self.excluded
     }
 
     pub fn rank(&self) -> u16 {
@@ -976,7 +1017,9 @@ impl Collective {
                  `kccl aggregator`)"
             )));
         };
-        let set = contributors(&self.group, &what, &[agg])?;
+        let mut exclude = vec![agg];
+        exclude.extend(&self.excluded);
+        let set = contributors(&self.group, &what, &exclude)?;
         let mut out = vec![T::default(); data.len()];
         if data.is_empty() {
             return Ok(out);
@@ -1125,8 +1168,12 @@ impl Collective {
     }
 
     fn reduce_contributors(&self, what: &str, root: u16) -> Result<Contributors> {
+        if self.excluded.contains(&root) {
+            return Err(Error::Usage(format!("{what}: root {root} was excluded (Collective::exclude_ranks)")));
+        }
         let mut exclude = vec![root];
         exclude.extend(self.group.aggregator);
+        exclude.extend(&self.excluded);
         contributors(&self.group, what, &exclude)
     }
 
@@ -1194,7 +1241,9 @@ impl Collective {
         enc: Enc<'_>,
         decode: &mut dyn FnMut(usize, &[u8], bool),
     ) -> Result<(ContribStats, Vec<usize>)> {
-        let mut c = Contributor::new(spec, enc, self.timing());
+        let agg_rank = spec.agg_rank;
+        let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window));
+        let mut c = Contributor::new(spec, enc, self.timing(), cwnd);
         self.stats.ops += 1;
         let res = loop {
             let now = Instant::now();
@@ -1235,6 +1284,11 @@ impl Collective {
                 break Err(e);
             }
         };
+        self.cwnds.insert(agg_rank, c.cwnd);
+        // Done or given up: either way this member wants no more answers of
+        // the operation, so the aggregator may reuse its slots.  Best effort
+        // (if lost, the slots are reused cfg_slot_timeout after completion).
+        let _ = c.send_receipt(&self.sock);
         self.stats.contrib.add(&c.stats);
         res.map(|()| (c.stats, c.overflowed().to_vec()))
     }
@@ -1490,7 +1544,12 @@ impl Collective {
         let mut why = String::new();
         if let Some(&c) = missing.first() {
             let off = (c * self.chunk) as u32;
-            match self.backend.user().missing(st.main.op_id, off) {
+            match self
+                .backend
+                .user()
+                .missing(st.main.op_id, off)
+                .or_else(|| self.backend.kernel_missing(st.main.op_id, off))
+            {
                 Some((base, m)) => {
                     let ranks: Vec<String> =
                         (0..64).filter(|b| m & (1u64 << b) != 0).map(|b| (base as usize + b).to_string()).collect();
@@ -1606,6 +1665,16 @@ impl Aggregator {
             self.serve_once(Duration::from_millis(100))?;
         }
         Ok(())
+    }
+
+    /// Kernel slots (index, state) held by operation `op_id` (None on the
+    /// user path): what an abandoned operation left behind.
+    #[cfg(feature = "kernel-agg")]
+    pub fn kernel_slots_of_op(&self, op_id: u32) -> Result<Option<Vec<(u32, crate::kernel_agg::SlotState)>>> {
+        match &self.backend {
+            AggBackend::User(_) => Ok(None),
+            AggBackend::Kernel(k) => k.engine().slots_of_op(op_id).map(Some),
+        }
     }
 
     /// One receive batch (or `wait` without traffic); returns the datagrams.
