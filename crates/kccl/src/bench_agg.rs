@@ -174,8 +174,22 @@ impl Gate {
     }
 }
 
+const BROKEN: &str = "another rank of the benchmark failed (see its error)";
+
 fn broken() -> Error {
-    Error::Usage("another rank of the benchmark failed (see its error)".into())
+    Error::Usage(BROKEN.into())
+}
+
+fn is_broken(e: &Error) -> bool {
+    matches!(e, Error::Usage(m) if m == BROKEN)
+}
+
+/// Keeps the error that caused a run to fail: the first that is not just
+/// "another rank failed" (the ranks that gave up waiting on the gate).
+fn keep_cause(first: &mut Option<Error>, e: Error) {
+    if first.as_ref().is_none_or(is_broken) {
+        *first = Some(e);
+    }
 }
 
 /// Runs `f`, breaking `gate` if it fails so that no other rank waits forever.
@@ -351,14 +365,14 @@ impl AggHarness {
             for h in handles {
                 let r = h.join().map_err(|_| Error::Usage("a benchmark rank panicked".into()))?;
                 if let Err(e) = r {
-                    first_err.get_or_insert(e);
+                    keep_cause(&mut first_err, e);
                 }
             }
             stop.store(true, Ordering::Relaxed);
             if let Some(h) = service {
                 let r = h.join().map_err(|_| Error::Usage("the aggregator panicked".into()))?;
                 if let Err(e) = r {
-                    first_err.get_or_insert(e);
+                    keep_cause(&mut first_err, e);
                 }
             }
             match first_err {
