@@ -528,7 +528,8 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
 }
 
 /// Removes every namespace `up` made for `name` (which destroys the veths
-/// and the bridge with them) and its state directory, and nothing else.
+/// and the bridge with them), the fault injectors pinned for its hosts and
+/// its state directory, and nothing else.
 /// Returns how many namespaces were removed; Ok(0) when there was nothing.
 pub fn down(name: &str) -> Result<usize> {
     validate_name(name)?;
@@ -544,6 +545,7 @@ pub fn down(name: &str) -> Result<usize> {
         let mut script = String::new();
         for (_, ns) in &namespaces {
             script.push_str(&format!("netns del {ns}\n"));
+            crate::fault::clear_namespace(ns)?;
         }
         ip_batch(name, None, &script)?;
     }

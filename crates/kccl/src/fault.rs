@@ -264,6 +264,7 @@ impl FaultInjector {
             .link
             .as_mut()
             .ok_or_else(|| Error::Fault { target: dir.display().to_string(), msg: "not attached".into() })?;
+        ensure_bpffs()?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         link.pin(dir.join("link")).map_err(bpf_err("pinning the fault link"))?;
         self.skel.maps.fault_cfg.pin(dir.join("cfg")).map_err(bpf_err("pinning fault_cfg"))?;
@@ -275,6 +276,27 @@ impl FaultInjector {
     pub fn skel(&self) -> &TcFaultSkel<'static> {
         &self.skel
     }
+}
+
+/// Mounts the BPF filesystem at /sys/fs/bpf when nothing is mounted there
+/// (a machine without systemd leaves it bare), so injectors can be pinned.
+fn ensure_bpffs() -> Result<()> {
+    const BPF_FS_MAGIC: libc::c_long = 0xcafe4a11;
+    const MOUNT_POINT: &str = "/sys/fs/bpf";
+    let mp = std::ffi::CString::new(MOUNT_POINT).map_err(|_| Error::Usage("bpffs path".into()))?;
+    // SAFETY: statfs into a zeroed struct through a NUL-terminated path.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(mp.as_ptr(), &mut st) } == 0 && st.f_type as libc::c_long == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    let fs = std::ffi::CString::new("bpf").map_err(|_| Error::Usage("bpffs type".into()))?;
+    // SAFETY: mount(2) with NUL-terminated strings and no data.
+    if unsafe { libc::mount(fs.as_ptr(), mp.as_ptr(), fs.as_ptr(), 0, std::ptr::null()) } != 0 {
+        return Err(Error::last_os(format!(
+            "mounting the BPF filesystem at {MOUNT_POINT} (needs root; or run `mount -t bpf bpf {MOUNT_POINT}`)"
+        )));
+    }
+    Ok(())
 }
 
 /// `/sys/fs/bpf/kccl/fault-<netns>-<iface>` (netns `root` for the caller's).
@@ -291,7 +313,7 @@ fn target(netns: Option<&str>, iface: &str) -> String {
 pub fn install(netns: Option<&str>, iface: &str, cfg: &FaultConfig) -> Result<PathBuf> {
     cfg.validate()?;
     let dir = pin_dir(netns, iface);
-    if dir.join("link").exists() && !link_detached(&dir.join("link")) {
+    if dir.join("link").exists() && !pin_stale(&dir, netns) {
         let map = MapHandle::from_pinned_path(dir.join("cfg")).map_err(bpf_err("opening the pinned fault_cfg"))?;
         write_cfg(&map, cfg)?;
         return Ok(dir);
@@ -307,13 +329,43 @@ pub fn install(netns: Option<&str>, iface: &str, cfg: &FaultConfig) -> Result<Pa
         let mut inj = FaultInjector::load()?;
         inj.set_config(&c)?;
         inj.attach(ifindex)?;
-        if let Err(e) = inj.pin(&d) {
+        // The pin records which namespace instance it serves, so a pin of a
+        // namespace that was deleted and recreated under the same name is
+        // known stale even while the old one is still being torn down.
+        let marked = inj.pin(&d).and_then(|()| {
+            let m = d.join(format!("{NETNS_MARK}{}", netns::cookie()?));
+            std::fs::create_dir(&m).map_err(|e| Error::io(format!("creating {}", m.display()), e))
+        });
+        if let Err(e) = marked {
             let _ = std::fs::remove_dir_all(&d);
             return Err(e);
         }
         Ok(())
     })?;
     Ok(dir)
+}
+
+/// Prefix of the directory in a pin directory that names the cookie of the
+/// namespace the injector was attached in (bpffs holds no regular files).
+const NETNS_MARK: &str = "netns-cookie-";
+
+/// True if the injector pinned at `dir` no longer acts on `iface` of the
+/// namespace now called `netns`: its device is gone, or the namespace was
+/// recreated (the old one may still be tearing down, asynchronously, with
+/// its device still present).
+fn pin_stale(dir: &Path, netns: Option<&str>) -> bool {
+    if link_detached(&dir.join("link")) {
+        return true;
+    }
+    let Some(marked) = std::fs::read_dir(dir).ok().and_then(|rd| {
+        rd.flatten().find_map(|e| e.file_name().to_str()?.strip_prefix(NETNS_MARK)?.parse::<u64>().ok())
+    }) else {
+        return false; // a pin without the mark: only the device check applies
+    };
+    match netns::run_in(netns, netns::cookie) {
+        Ok(now) => now != marked,
+        Err(_) => netns.is_some_and(|n| !netns::path(n).exists()),
+    }
 }
 
 /// True if the pinned TCX link no longer has a device: its interface (or
@@ -349,6 +401,22 @@ pub fn clear(netns: Option<&str>, iface: &str) -> Result<bool> {
     Ok(true)
 }
 
+/// Removes every injector pinned for interfaces of namespace `netns` (a
+/// cluster being torn down); returns how many.
+pub fn clear_namespace(netns: &str) -> Result<usize> {
+    let prefix = format!("fault-{netns}-");
+    let Ok(rd) = std::fs::read_dir(PIN_ROOT) else { return Ok(0) };
+    let mut n = 0;
+    for e in rd.flatten() {
+        if e.file_name().to_str().is_some_and(|f| f.starts_with(&prefix)) {
+            std::fs::remove_dir_all(e.path())
+                .map_err(|err| Error::io(format!("removing {}", e.path().display()), err))?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
 /// Counters of a pinned injector.
 pub fn pinned_stats(netns: Option<&str>, iface: &str) -> Result<FaultStats> {
     let dir = pin_dir(netns, iface);
@@ -358,7 +426,7 @@ pub fn pinned_stats(netns: Option<&str>, iface: &str) -> Result<FaultStats> {
             msg: format!("no fault injector installed (nothing pinned at {})", dir.display()),
         });
     }
-    if link_detached(&dir.join("link")) {
+    if pin_stale(&dir, netns) {
         return Err(Error::Fault {
             target: target(netns, iface),
             msg: format!("the injector pinned at {} lost its interface (stale pin); clear it", dir.display()),

@@ -64,6 +64,31 @@ pub fn ifindex(iface: &str, netns: Option<&str>) -> Result<u32> {
     Ok(idx)
 }
 
+/// The kernel's cookie of the calling thread's network namespace
+/// (SO_NETNS_COOKIE, Linux >= 5.14).  Unlike the nsfs inode it is never
+/// reused, so it tells a recreated namespace of the same name from the one
+/// being torn down.
+pub fn cookie() -> Result<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    // SAFETY: plain socket; the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(Error::last_os("making a socket to read the namespace cookie"));
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut v: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid fd, out buffer and its length.
+    let r = unsafe {
+        libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut v as *mut u64).cast(), &mut len)
+    };
+    if r != 0 {
+        return Err(Error::last_os("reading the network namespace cookie (SO_NETNS_COOKIE needs Linux >= 5.14)"));
+    }
+    Ok(v)
+}
+
 /// MTU of `iface` in the calling thread's namespace (SIOCGIFMTU on a socket
 /// made here; /sys would show the namespace /sys was mounted in).
 pub fn mtu(iface: &str) -> Option<usize> {
