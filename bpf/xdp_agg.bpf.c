@@ -680,6 +680,23 @@ static __always_inline bool ack_after(__u64 a, __u64 b)
 	return d > 0 || (d == 0 && (__u32)a > (__u32)b);
 }
 
+/* Whether rank src already proved it holds the answer of chunk (op_id,
+ * chunk): a contribution of it is then a late copy (a retransmission that
+ * crossed the answer) and must not claim a slot, where it would wait for
+ * contributors that are done with the chunk. */
+static __always_inline bool ack_proves(__u32 src, __u32 op_id, __u32 chunk)
+{
+	struct kccl_agg_acks *a;
+	__u32 zero = 0;
+	__u64 v;
+
+	a = bpf_map_lookup_elem(&agg_acks, &zero);
+	if (!a || src >= KCCL_MAX_MEMBERS)
+		return false;
+	v = *(volatile __u64 *)&a->v[src];
+	return v && ack_after(v, (__u64)op_id << 32 | (chunk + 1));
+}
+
 /* Rank src proved it holds every answer before (op_id, bound). */
 static __always_inline void ack_raise(__u32 src, __u32 op_id, __u32 bound)
 {
@@ -916,6 +933,10 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	c.op_id = bpf_ntohl(h->msg_seq);
 	c.allreduce = flags & KCCL_F_ALLREDUCE;
 	chunk = c.frag / cfg_chunk_bytes;
+	if (ack_proves(src, c.op_id, chunk)) {
+		stat_add(KCCL_AS_STALE, 1);
+		return XDP_DROP;
+	}
 	ack_raise(src, c.op_id, chunk + 1 > cfg_window ? chunk + 1 - cfg_window : 0);
 	idx = (c.op_id * 0x9E3779B1U + chunk) & (cfg_nslots - 1);
 	s = bpf_map_lookup_elem(&agg_slots, &idx);

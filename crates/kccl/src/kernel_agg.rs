@@ -222,6 +222,9 @@ agg_stats! {
     receipts,
     /// ACTIVE slots freed by the sweep (AggEngine::sweep).
     swept,
+    /// Contributions of a chunk whose answer their sender already proved to
+    /// hold (a late copy of a retransmission): dropped, never a new slot.
+    stale,
 }
 
 /// enum kccl_slot_state
@@ -942,8 +945,8 @@ mod tests {
         assert_eq!(offset_of!(S, claimed_ns), 24);
         assert_eq!(offset_of!(S, rec), 32);
         assert_eq!(size_of::<S>(), 32 + size_of::<R>());
-        // enum kccl_agg_stat has KCCL_AS_NR = 25 counters.
-        assert_eq!(AggStats::N, 25);
+        // enum kccl_agg_stat has KCCL_AS_NR = 26 counters.
+        assert_eq!(AggStats::N, 26);
         assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
     }
 

@@ -471,9 +471,14 @@ impl OpIds {
     }
 
     /// Another op id whose chunk 0 shares op's slot (a deliberate collision).
+    /// Later allocations stay above it: a rank's contribution to an op
+    /// proves it is done with every earlier one (docs/AGGREGATION.md, "Slot
+    /// reuse"), so op ids must grow along the table as they do in real use.
     fn colliding(&mut self, e: Engine, op: u32) -> u32 {
         let want = Self::slot(e, op, 0);
-        (op + 1..).find(|&o| Self::slot(e, o, 0) == want).expect("some op id collides")
+        let o = (op + 1..).find(|&o| Self::slot(e, o, 0) == want).expect("some op id collides");
+        self.next = self.next.max(o + 1);
+        o
     }
 }
 
@@ -748,14 +753,15 @@ fn fixtures() -> Vec<Fixture> {
             .iter()
             .map(|&(r, v)| Contrib::new(r, short64, SUM, I64, &[1, 2], &[v]).allreduce())
             .collect();
+        // Rank 3 (still in the big operation) refills the scratch buffer
+        // between the short chunks.
+        let filler3 = Contrib::new(3, big, SUM, I32, &ranks, &[i64::from(i32::MAX); 358]).allreduce();
         let mut f = Fixture::new("short chunks after a full one: no stale scratch bytes in the result", d);
         f.drop(&filler).drop(&c32[0]).pass(&c32[1], c32[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[5])));
-        f.pass(&filler, filler.pending(mask_of(&ranks) & !(1 << 1))).drop(&c64[0]);
+        f.drop(&filler3).drop(&c64[0]);
         f.pass(&c64[1], c64[1].answer(T_AGG_RESULT, false, 0b110, encode(I64, &[(1 << 40) - 3])));
         f.stats = stats(|s| {
-            s.pkts = 5;
-            s.dup = 1;
-            s.pending = 1;
+            s.pkts = 6;
             s.chunks_done = 2;
             s.results = 2;
         });
@@ -1045,7 +1051,8 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
     {
-        // A DONE slot of another chunk is simply taken over.
+        // A DONE slot of another chunk whose contributor proved it has the
+        // answer (its receipt) is simply taken over.
         let e = Engine::ShortTimeout;
         let op_a = ids.alloc(e, &[0]);
         let op_b = ids.colliding(e, op_a);
@@ -1053,11 +1060,13 @@ fn fixtures() -> Vec<Fixture> {
         let a = Contrib::new(1, op_a, SUM, I32, &[1], &[1]).allreduce();
         let b = Contrib::new(2, op_b, SUM, I32, &[2, 3], &[2]);
         let mut f = Fixture::new("DONE slot of another chunk claimed at once (not a reclaim)", e);
-        f.pass(&a, a.answer(T_AGG_RESULT, false, 1 << 1, encode(I32, &[1]))).drop(&b);
+        f.pass(&a, a.answer(T_AGG_RESULT, false, 1 << 1, encode(I32, &[1])));
+        f.drop(&Contrib::receipt(1, op_a, 4)).drop(&b);
         f.stats = stats(|s| {
             s.pkts = 2;
             s.chunks_done = 1;
             s.results = 1;
+            s.receipts = 1;
         });
         f.slots = vec![(op_b, 0, SlotState::Active, 1 << 2)];
         t.push(f);
@@ -1308,14 +1317,16 @@ fn fixtures() -> Vec<Fixture> {
         // Rank 2's receipt proves it; rank 1's retransmission of B claims.
         f.drop(&Contrib::receipt(2, op_a, 4));
         f.drop(&cb[0]).pass(&cb[1], cb[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[300])));
-        // A retransmission of A now finds B's DONE chunk: held, never added.
+        // A late copy of rank 1's contribution to A (rank 1 proved it has
+        // A's answer by contributing to B): stale, never added, never a slot.
         f.drop(&ca[0]);
         f.stats = stats(|s| {
             s.pkts = 4;
             s.chunks_done = 2;
             s.results = 3;
             s.dup_done = 1;
-            s.held = 2;
+            s.held = 1;
+            s.stale = 1;
             s.receipts = 1;
             s.not_member = 1;
         });
@@ -1327,8 +1338,9 @@ fn fixtures() -> Vec<Fixture> {
         // every earlier one (no receipt needed).
         let op_a = ids.alloc(a, &[0]);
         let op_b = ids.colliding(a, op_a);
-        // A later op id in a slot of its own.
-        let op_c = (op_b + 1..)
+        // An op id after A (and before B: rank 4 goes on to B after it) in a
+        // slot of its own.
+        let op_c = (op_a + 1..op_b)
             .find(|&o| {
                 let sl = OpIds::slot(a, o, 0);
                 sl != OpIds::slot(a, op_a, 0) && !ids.used.contains(&(a, sl))
@@ -1376,6 +1388,22 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
     {
+        // A late copy of a contribution whose sender already proved it has
+        // the chunk's answer (here by its receipt, the chunk's slot since
+        // reused or swept): dropped as stale; it must not claim the free
+        // slot, where it would wait forever for contributors that are done.
+        let op_id = ids.alloc(a, &[0]);
+        let c = Contrib::new(8, op_id, SUM, I32, &[8, 9], &[5]);
+        let mut f = Fixture::new("late copy of a chunk its sender proved: stale, the free slot stays free", a);
+        f.drop(&Contrib::receipt(8, op_id, 4)).drop(&c);
+        f.stats = stats(|s| {
+            s.receipts = 1;
+            s.stale = 1;
+        });
+        f.slots = vec![(op_id, 0, SlotState::Free, 0)];
+        t.push(f);
+    }
+    {
         // A 4-byte chunk: the PENDING answer grows the packet to its 8-byte mask.
         let op_id = ids.alloc(a, &[0]);
         let c = Contrib::new(7, op_id, SUM, I32, &[7, 8, 9], &[5]);
@@ -1415,7 +1443,9 @@ fn fixtures() -> Vec<Fixture> {
         f.pass(&cn[1], cn[1].pending(1 << 5));
         f.pass(&cn[0], cn[0].answer(T_AGG_RESULT, false, 0b1100000, encode(I64, &[110])));
         f.pass(&cn[0], cn[0].answer(T_AGG_RESULT, false, 1 << 5, encode(I64, &[110])));
-        f.drop(&co[1]); // the pre-wrap op again: held, not added
+        // A late copy of the pre-wrap op: rank 6 moved on to the new op,
+        // so it is stale (serial-number order across the wrap), not added.
+        f.drop(&co[1]);
         f.stats = stats(|s| {
             s.pkts = 4;
             s.chunks_done = 2;
@@ -1423,7 +1453,8 @@ fn fixtures() -> Vec<Fixture> {
             s.dup = 2;
             s.pending = 2;
             s.dup_done = 2;
-            s.held = 2;
+            s.held = 1;
+            s.stale = 1;
         });
         f.slots = vec![(new, 0, SlotState::Done, 0b1100000)];
         t.push(f);

@@ -8,12 +8,24 @@
 //! answer below c + 1 - window: docs/AGGREGATION.md, "Slot reuse"): it
 //! grows by one chunk per answer up to `ssthresh` and by one chunk per
 //! window of answers above it, and halves on every retransmission stall.
-//! New chunks of the window go out in one sendmmsg per round.  When no new answer arrived for `rto`, every
-//! unanswered chunk of the window is sent again (duplicates are harmless: the
-//! aggregator's bitmap suppresses them and a finished chunk answers again);
-//! each stall doubles the wait for the next one (up to 16 x rto) until an
-//! answer arrives,
-//! so a late aggregator is not flooded with copies of the window.
+//! New chunks of the window go out in one sendmmsg per round.
+//!
+//! Loss recovery (duplicates are harmless: the aggregator's bitmap suppresses
+//! them and a finished chunk answers again):
+//! - fast retransmission: an unanswered chunk is sent again, once, when
+//!   answers arrived for a chunk at least GAP_THRESHOLD above it (answers
+//!   come back in about chunk order, so a gap that persists means a lost
+//!   contribution or answer) and it was sent at least rto/8 ago (so copies
+//!   reordered on the way are not answered with a copy).  An isolated loss
+//!   costs about one round trip and does not shrink the window: with random
+//!   loss the window would otherwise settle far below what the aggregator
+//!   can take; a burst of BURST_CUT or more such losses in one pass halves
+//!   it (congestion).
+//! - timeout: a chunk unanswered `rto` after its last send is sent again
+//!   (the tail of an operation, a lost retransmission); a pass with such
+//!   timeouts halves the window and doubles the timeout (up to 16 x rto)
+//!   until an answer arrives, so a late aggregator is not flooded with
+//!   copies of the window.
 //! When no answer arrived for `deadline`, the operation fails with
 //! Error::MembersMissing naming the ranks the aggregator still waits for
 //! (from its PENDING answers to retransmissions already counted), or
@@ -44,7 +56,10 @@ pub struct ContribStats {
     /// Contribution datagrams sent (first sends and retransmissions).
     pub datagrams: u64,
     pub retransmits: u64,
-    /// Retransmission rounds (stalls of `rto`).
+    /// Retransmissions made because later chunks were answered (a subset of
+    /// `retransmits`).
+    pub fast_retransmits: u64,
+    /// Passes in which some chunk timed out (`rto` without an answer).
     pub stalls: u64,
     pub send_calls: u64,
     /// Answers that acknowledged a chunk.
@@ -59,7 +74,7 @@ pub struct ContribStats {
     pub overflow_chunks: u64,
     /// PENDING answers (a retransmission the aggregator had already counted).
     pub pending: u64,
-    /// Congestion window halvings (one per retransmission stall).
+    /// Congestion window halvings (timeouts, bursts of fast retransmissions).
     pub window_cuts: u64,
     /// Smallest congestion window used (chunks; 0: no operation yet).
     pub window_min: u64,
@@ -74,6 +89,7 @@ impl ContribStats {
         self.chunks += o.chunks;
         self.datagrams += o.datagrams;
         self.retransmits += o.retransmits;
+        self.fast_retransmits += o.fast_retransmits;
         self.stalls += o.stalls;
         self.send_calls += o.send_calls;
         self.answers += o.answers;
@@ -140,7 +156,7 @@ impl Cwnd {
         self.cwnd = (self.cwnd + inc).min(max as f64);
     }
 
-    /// A retransmission stall (loss or an overloaded aggregator): halve.
+    /// A timeout or a burst of losses (an overloaded aggregator): halve.
     pub fn on_stall(&mut self) {
         self.ssthresh = (self.cwnd / 2.0).max(1.0);
         self.cwnd = self.ssthresh;
@@ -151,6 +167,15 @@ impl Cwnd {
         (self.cwnd as usize).max(1)
     }
 }
+
+/// Answers this many chunks above an unanswered one trigger its fast
+/// retransmission (answers of one window may come back slightly out of
+/// order: the aggregator's CPUs complete chunks in parallel).
+const GAP_THRESHOLD: usize = 3;
+
+/// This many fast retransmissions in one pass are congestion, not random
+/// loss: the window is halved.
+const BURST_CUT: u64 = 4;
 
 /// What became of an answer-type datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,14 +200,19 @@ pub struct Contributor<'e> {
     nacked: usize,
     /// Lowest unanswered chunk.
     lo: usize,
+    /// Highest answered chunk + 1 (0: none yet).
+    hi_end: usize,
     /// Next chunk never sent.
     next: usize,
     /// One packet (header + chunk) per window position: chunk c uses
     /// position c % window while it is in the window.
     bufs: Vec<u8>,
     todo: Vec<usize>,
+    /// Per window position: when its chunk was last sent, and whether it
+    /// was fast-retransmitted (at most once; then the timeout applies).
+    sent_at: Vec<Instant>,
+    fast_done: Vec<bool>,
     last_progress: Instant,
-    last_retx: Instant,
     /// Current retransmission timeout (backs off, reset by progress).
     cur_rto: Duration,
     started: Instant,
@@ -213,9 +243,11 @@ impl<'e> Contributor<'e> {
             lo: 0,
             next: 0,
             bufs: vec![0u8; window * (HDR_LEN + spec.chunk)],
+            hi_end: 0,
             todo: Vec::with_capacity(window),
+            sent_at: vec![now; window],
+            fast_done: vec![false; window],
             last_progress: now,
-            last_retx: now,
             cur_rto: t.rto,
             started: now,
             overflowed: Vec::new(),
@@ -253,28 +285,39 @@ impl<'e> Contributor<'e> {
         self.acked[c / 64] & (1 << (c % 64)) != 0
     }
 
-    /// Sends the chunks that entered the window, and after a stall of `rto`
-    /// every unanswered chunk of the window, in one sendmmsg round.
+    /// Sends the chunks that entered the window and the retransmissions that
+    /// are due (module comment), in one sendmmsg round.
     pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
         self.todo.clear();
         let w = self.t.window;
-        let stalled = now.duration_since(self.last_progress) >= self.cur_rto
-            && now.duration_since(self.last_retx) >= self.cur_rto
-            && self.next > self.lo;
-        if stalled {
-            for c in self.lo..self.next {
-                if !self.is_acked(c) {
-                    self.todo.push(c);
-                }
+        let fast_gap = self.fast_gap();
+        let (mut timed_out, mut fast) = (0u64, 0u64);
+        for c in self.lo..self.next {
+            if self.is_acked(c) {
+                continue;
             }
-            self.stats.retransmits += self.todo.len() as u64;
+            let since = now.saturating_duration_since(self.sent_at[c % w]);
+            if since >= self.cur_rto {
+                timed_out += 1;
+            } else if self.gap_behind(c) && !self.fast_done[c % w] && since >= fast_gap {
+                self.fast_done[c % w] = true;
+                fast += 1;
+            } else {
+                continue;
+            }
+            self.todo.push(c);
+        }
+        self.stats.retransmits += timed_out + fast;
+        self.stats.fast_retransmits += fast;
+        if timed_out > 0 {
             self.stats.stalls += 1;
+            // Back off until an answer comes (then rto again).
+            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
+        }
+        if timed_out > 0 || fast >= BURST_CUT {
             self.cwnd.on_stall();
             self.stats.window_cuts += 1;
             self.note_window();
-            // Back off until an answer comes (then rto again).
-            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
-            self.last_retx = now;
         }
         let limit = (self.lo + self.cwnd.chunks().min(w)).min(self.nchunks);
         let stride = HDR_LEN + self.spec.chunk;
@@ -302,12 +345,16 @@ impl<'e> Contributor<'e> {
             self.bufs[pos..pos + HDR_LEN].copy_from_slice(&hb);
             let first = c * self.spec.chunk / self.enc.elem_size();
             self.enc.encode(first, &mut self.bufs[pos + HDR_LEN..pos + HDR_LEN + plen]);
+            self.fast_done[c % w] = false;
             self.todo.push(c);
             self.next += 1;
             self.stats.chunks += 1;
         }
         if self.todo.is_empty() {
             return Ok(());
+        }
+        for &c in &self.todo {
+            self.sent_at[c % w] = now;
         }
         let to = self.spec.agg_addr;
         let dgrams: Vec<Datagram<'_>> = self
@@ -397,6 +444,7 @@ impl<'e> Contributor<'e> {
         while self.lo < self.nchunks && self.is_acked(self.lo) {
             self.lo += 1;
         }
+        self.hi_end = self.hi_end.max(c + 1);
         self.last_progress = now;
         self.cur_rto = self.t.rto;
         self.missing = None;
@@ -437,12 +485,33 @@ impl<'e> Contributor<'e> {
         Ok(())
     }
 
-    /// How long to wait for answers before the next timer (rto or deadline).
+    /// Answers for a chunk GAP_THRESHOLD or more above `c` arrived.
+    fn gap_behind(&self, c: usize) -> bool {
+        self.hi_end > c + GAP_THRESHOLD
+    }
+
+    /// How soon after its last send a chunk may be fast-retransmitted.
+    fn fast_gap(&self) -> Duration {
+        (self.t.rto / 8).max(Duration::from_micros(500))
+    }
+
+    /// How long to wait for answers before the next timer (a chunk's
+    /// retransmission or the deadline).
     pub fn wait(&self, now: Instant) -> Duration {
-        let since = now.duration_since(self.last_progress);
-        let retx = self.cur_rto.saturating_sub(since.min(now.duration_since(self.last_retx)));
-        let dead = self.t.deadline.saturating_sub(since);
-        retx.min(dead).max(Duration::from_micros(200))
+        let w = self.t.window;
+        let fast_gap = self.fast_gap();
+        let mut due = self.t.deadline.saturating_sub(now.duration_since(self.last_progress));
+        for c in self.lo..self.next {
+            if self.is_acked(c) {
+                continue;
+            }
+            let since = now.saturating_duration_since(self.sent_at[c % w]);
+            due = due.min(self.cur_rto.saturating_sub(since));
+            if self.gap_behind(c) && !self.fast_done[c % w] {
+                due = due.min(fast_gap.saturating_sub(since));
+            }
+        }
+        due.max(Duration::from_micros(200))
     }
 
     /// Error::MembersMissing (the aggregator named who it waits for) or
