@@ -26,6 +26,7 @@
 //!   timeouts halves the window and doubles the timeout (up to 16 x rto)
 //!   until an answer arrives, so a late aggregator is not flooded with
 //!   copies of the window.
+//!
 //! When no answer arrived for `deadline`, the operation fails with
 //! Error::MembersMissing naming the ranks the aggregator still waits for
 //! (from its PENDING answers to retransmissions already counted), or
