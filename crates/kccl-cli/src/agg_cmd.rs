@@ -46,6 +46,10 @@ pub struct CollectiveArgs {
     /// Seconds without progress before the operation fails.
     #[arg(long, default_value_t = 10.0)]
     deadline: f64,
+    /// Print every counter of this member (contributor, its aggregator role
+    /// and, on the kernel path, xdp_agg/tc_agg_result) as JSON on stderr.
+    #[arg(long)]
+    stats: bool,
 }
 
 #[derive(Args)]
@@ -197,6 +201,31 @@ fn run_typed<T: CliElement>(a: &CollectiveArgs, root: Option<u16>) -> Result<()>
             let r = c.allreduce(&data, op)?;
             report(&format!("allreduce {op} at rank {rank}"), a, &r, t0.elapsed())?;
         }
+    }
+    if a.stats {
+        let json =
+            |v: serde_json::Result<serde_json::Value>| v.map_err(|e| Error::Usage(format!("stats as JSON: {e}")));
+        let all = serde_json::json!({
+            "member": json(serde_json::to_value(c.stats()))?,
+            "kernel": json(serde_json::to_value(c.kernel_stats()?))?,
+        });
+        eprintln!("{all}");
+    }
+    let st = c.stats().contrib;
+    if st.chunks > 0 {
+        eprintln!(
+            "kccl: rank {rank}: sent {} chunks in {} datagrams ({} retransmitted, {} of them fast; {} timeouts), \
+             window min/max/last {}/{}/{} chunks, {} cuts",
+            st.chunks,
+            st.datagrams,
+            st.retransmits,
+            st.fast_retransmits,
+            st.stalls,
+            st.window_min,
+            st.window_max,
+            st.window_last,
+            st.window_cuts
+        );
     }
     Ok(())
 }

@@ -166,6 +166,10 @@ impl Gate {
         Ok(())
     }
 
+    fn is_broken(&self) -> bool {
+        self.state.lock().map(|g| g.2).unwrap_or(true)
+    }
+
     fn break_all(&self) {
         if let Ok(mut g) = self.state.lock() {
             g.2 = true;
@@ -282,9 +286,12 @@ impl AggHarness {
         let times: Mutex<Vec<(u16, usize, Duration, Duration)>> = Mutex::new(Vec::new());
         let path_used: Mutex<Option<Path>> = Mutex::new(None);
         let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
-        // Contributors still running: a reduce root keeps answering
-        // retransmissions (an ACK lost in the fan-out) until they are done.
-        let running = std::sync::atomic::AtomicUsize::new(runners.len() - 1);
+        // Calls the other ranks finished: a reduce root keeps answering
+        // retransmissions (an ACK lost in the fan-out) until every one of
+        // an iteration returned, before it waits at the barrier (on the user
+        // path nobody else would answer them).
+        let finished = std::sync::atomic::AtomicUsize::new(0);
+        let others = runners.len() - 1;
         let sub = group.clone();
 
         std::thread::scope(|s| -> Result<()> {
@@ -323,8 +330,8 @@ impl AggHarness {
             };
             let mut handles = Vec::new();
             for &rank in &runners {
-                let (sub, barrier, times, path_used, contributors, running) =
-                    (&sub, &barrier, &times, &path_used, &contributors, &running);
+                let (sub, barrier, times, path_used, contributors, finished) =
+                    (&sub, &barrier, &times, &path_used, &contributors, &finished);
                 handles.push(s.spawn(move || -> Result<()> {
                     guarded(barrier, || {
                         enter_host(sub, rank)?;
@@ -343,6 +350,11 @@ impl AggHarness {
                             };
                             let dt = t0.elapsed();
                             let cpu = thread_cpu_time() - c0;
+                            if kind == Kind::Reduce && rank == agg_rank {
+                                serve_until(&mut c, finished, (it + 1) * others, cfg.deadline, barrier)?;
+                            } else {
+                                finished.fetch_add(1, Ordering::SeqCst);
+                            }
                             if it == 0 {
                                 // The checked, untimed operation.
                                 if let Some(r) = &res {
@@ -351,11 +363,6 @@ impl AggHarness {
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
                             }
-                        }
-                        if kind == Kind::Reduce && rank == agg_rank {
-                            linger(&mut c, running, cfg.deadline)?;
-                        } else {
-                            running.fetch_sub(1, Ordering::SeqCst);
                         }
                         Ok(())
                     })
@@ -428,11 +435,18 @@ impl Drop for AggHarness {
 }
 
 /// A reduce root answers retransmissions (of chunks whose ACK the fan-out
-/// lost) until every contributor returned, or `deadline` passed.
-fn linger(c: &mut Collective, running: &std::sync::atomic::AtomicUsize, deadline: Duration) -> Result<()> {
+/// lost) until the other ranks finished `want` calls in all, `deadline`
+/// passed, or another rank failed.
+fn serve_until(
+    c: &mut Collective,
+    finished: &std::sync::atomic::AtomicUsize,
+    want: usize,
+    deadline: Duration,
+    gate: &Gate,
+) -> Result<()> {
     let end = Instant::now() + deadline;
-    while running.load(Ordering::SeqCst) > 0 && Instant::now() < end {
-        c.serve_for(Duration::from_millis(20))?;
+    while finished.load(Ordering::SeqCst) < want && Instant::now() < end && !gate.is_broken() {
+        c.serve_for(Duration::from_millis(5))?;
     }
     Ok(())
 }
@@ -503,12 +517,13 @@ pub fn measure_cpu(
     let done_ops = Mutex::new(0usize);
     let wall = Mutex::new(Duration::ZERO);
     let napi0 = Arc::new(Mutex::new(0u64));
-    let running = std::sync::atomic::AtomicUsize::new(ranks.len() - 1);
+    let finished = std::sync::atomic::AtomicUsize::new(0);
+    let others = ranks.len() - 1;
     std::thread::scope(|s| -> Result<()> {
         let mut hs = Vec::new();
         for &rank in &ranks {
-            let (group, barrier, agg_thread_cpu, path_used, done_ops, wall, napi0, all, running) =
-                (&group, &barrier, &agg_thread_cpu, &path_used, &done_ops, &wall, &napi0, &ranks, &running);
+            let (group, barrier, agg_thread_cpu, path_used, done_ops, wall, napi0, all, finished) =
+                (&group, &barrier, &agg_thread_cpu, &path_used, &done_ops, &wall, &napi0, &ranks, &finished);
             hs.push(s.spawn(move || -> Result<()> {
                 guarded(barrier, || {
                     enter_host(group, rank)?;
@@ -519,6 +534,11 @@ pub fn measure_cpu(
                     barrier.wait()?;
                     if let Some(r) = c.reduce(&data, AggOp::Sum, 0)? {
                         check(Kind::Reduce, AggOp::Sum, all, &r, elems, rank)?;
+                    }
+                    if rank == 0 {
+                        serve_until(&mut c, finished, others, cfg.deadline, barrier)?;
+                    } else {
+                        finished.fetch_add(1, Ordering::SeqCst);
                     }
                     barrier.wait()?;
                     let t0 = Instant::now();
@@ -536,6 +556,8 @@ pub fn measure_cpu(
                         c.reduce(&data, AggOp::Sum, 0)?;
                         if rank == 0 {
                             *done_ops.lock().map_err(|_| poisoned())? += 1;
+                        } else {
+                            finished.fetch_add(1, Ordering::SeqCst);
                         }
                     }
                     if rank == 0 {
@@ -543,9 +565,7 @@ pub fn measure_cpu(
                         *wall.lock().map_err(|_| poisoned())? = t0.elapsed();
                         let n0 = *napi0.lock().map_err(|_| poisoned())?;
                         *napi0.lock().map_err(|_| poisoned())? = schedstat_ns(napi_pid)?.saturating_sub(n0);
-                        linger(&mut c, running, cfg.deadline)?;
-                    } else {
-                        running.fetch_sub(1, Ordering::SeqCst);
+                        serve_until(&mut c, finished, others * (nops + 1), cfg.deadline, barrier)?;
                     }
                     Ok(())
                 })

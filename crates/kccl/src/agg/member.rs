@@ -1,7 +1,8 @@
 //! The contributor side of one aggregation operation: windowed sending,
 //! per-chunk answer tracking, retransmission, deadline.
 //!
-//! At most `cwnd` chunks beyond the lowest unanswered one are in flight.
+//! At most `cwnd` chunks are in flight (sent and unanswered), all of them
+//! below the lowest unanswered chunk + `window`.
 //! `cwnd` is an AIMD congestion window bounded by `window` (< the
 //! aggregator's slot count, so two chunks of one operation never need the
 //! same slot, and a contribution of chunk c proves its sender holds every
@@ -12,15 +13,19 @@
 //!
 //! Loss recovery (duplicates are harmless: the aggregator's bitmap suppresses
 //! them and a finished chunk answers again):
-//! - fast retransmission: an unanswered chunk is sent again, once, when
-//!   answers arrived for a chunk at least GAP_THRESHOLD above it (answers
-//!   come back in about chunk order, so a gap that persists means a lost
-//!   contribution or answer) and it was sent at least rto/8 ago (so copies
-//!   reordered on the way are not answered with a copy).  An isolated loss
-//!   costs about one round trip and does not shrink the window: with random
-//!   loss the window would otherwise settle far below what the aggregator
-//!   can take; a burst of BURST_CUT or more such losses in one pass halves
-//!   it (congestion).
+//! - fast retransmission: an unanswered chunk is sent again when answers
+//!   arrived for a chunk at least GAP_THRESHOLD above it (answers come
+//!   back in about chunk order, so a gap that persists means a lost
+//!   contribution or answer) and it was last sent at least `fast_gap` ago:
+//!   twice the smoothed round trip of first transmissions (Karn), within
+//!   [200 us, rto/8], doubled for each further fast retransmission of the
+//!   chunk (its copy, or the answer to it, may be lost too; with 4
+//!   contributors and loss on every link about 8% of chunks need
+//!   recovery at 1% loss, so a second loss on a chunk is common and must
+//!   not cost a timeout).  An isolated loss costs a few round trips and does
+//!   not shrink the window: with random loss the window would otherwise
+//!   settle far below what the aggregator can take; losing a quarter of the
+//!   window in one pass halves it (congestion).
 //! - timeout: a chunk unanswered `rto` after its last send is sent again
 //!   (the tail of an operation, a lost retransmission); a pass with such
 //!   timeouts halves the window and doubles the timeout (up to 16 x rto)
@@ -157,9 +162,12 @@ impl Cwnd {
         self.cwnd = (self.cwnd + inc).min(max as f64);
     }
 
-    /// A timeout or a burst of losses (an overloaded aggregator): halve.
-    pub fn on_stall(&mut self) {
-        self.ssthresh = (self.cwnd / 2.0).max(1.0);
+    /// A stall or a burst of losses (an overloaded aggregator): halve, but
+    /// not below MIN_CWND chunks (or `max`), so that a lone loss can still
+    /// be seen as a gap and fast-retransmitted instead of timing out.
+    pub fn on_stall(&mut self, max: usize) {
+        let floor = MIN_CWND.min(max).max(1) as f64;
+        self.ssthresh = (self.cwnd / 2.0).max(floor);
         self.cwnd = self.ssthresh;
     }
 
@@ -174,9 +182,9 @@ impl Cwnd {
 /// order: the aggregator's CPUs complete chunks in parallel).
 const GAP_THRESHOLD: usize = 3;
 
-/// This many fast retransmissions in one pass are congestion, not random
-/// loss: the window is halved.
-const BURST_CUT: u64 = 4;
+/// Smallest congestion window after a cut: GAP_THRESHOLD answers beyond a
+/// lost chunk must fit in it for the loss to be seen without a timeout.
+const MIN_CWND: usize = 8;
 
 /// What became of an answer-type datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,10 +217,13 @@ pub struct Contributor<'e> {
     /// position c % window while it is in the window.
     bufs: Vec<u8>,
     todo: Vec<usize>,
-    /// Per window position: when its chunk was last sent, and whether it
-    /// was fast-retransmitted (at most once; then the timeout applies).
+    /// Per window position: when its chunk was last sent, and how many
+    /// times it was sent again (0: a first transmission, a valid round-trip
+    /// sample).
     sent_at: Vec<Instant>,
-    fast_done: Vec<bool>,
+    resent: Vec<u8>,
+    /// Smoothed round trip of first transmissions (None: no sample yet).
+    srtt: Option<Duration>,
     last_progress: Instant,
     /// Current retransmission timeout (backs off, reset by progress).
     cur_rto: Duration,
@@ -247,7 +258,8 @@ impl<'e> Contributor<'e> {
             hi_end: 0,
             todo: Vec::with_capacity(window),
             sent_at: vec![now; window],
-            fast_done: vec![false; window],
+            resent: vec![0; window],
+            srtt: None,
             last_progress: now,
             cur_rto: t.rto,
             started: now,
@@ -291,7 +303,6 @@ impl<'e> Contributor<'e> {
     pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
         self.todo.clear();
         let w = self.t.window;
-        let fast_gap = self.fast_gap();
         let (mut timed_out, mut fast) = (0u64, 0u64);
         for c in self.lo..self.next {
             if self.is_acked(c) {
@@ -300,31 +311,41 @@ impl<'e> Contributor<'e> {
             let since = now.saturating_duration_since(self.sent_at[c % w]);
             if since >= self.cur_rto {
                 timed_out += 1;
-            } else if self.gap_behind(c) && !self.fast_done[c % w] && since >= fast_gap {
-                self.fast_done[c % w] = true;
+            } else if self.gap_behind(c) && since >= self.fast_gap(c) {
                 fast += 1;
             } else {
                 continue;
             }
+            self.resent[c % w] = self.resent[c % w].saturating_add(1);
             self.todo.push(c);
         }
         self.stats.retransmits += timed_out + fast;
         self.stats.fast_retransmits += fast;
+        // A chunk timing out while others are answered is a lost
+        // retransmission, not congestion; no answer at all for the timeout
+        // is a stall: back off until an answer comes (then rto again).
+        let stalled = timed_out > 0 && now.duration_since(self.last_progress) >= self.cur_rto;
         if timed_out > 0 {
             self.stats.stalls += 1;
-            // Back off until an answer comes (then rto again).
+        }
+        if stalled {
             self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
         }
-        if timed_out > 0 || fast >= BURST_CUT {
-            self.cwnd.on_stall();
+        if stalled || fast >= (self.cwnd.chunks() as u64 / 4).max(4) {
+            self.cwnd.on_stall(self.t.window);
             self.stats.window_cuts += 1;
             self.note_window();
         }
-        let limit = (self.lo + self.cwnd.chunks().min(w)).min(self.nchunks);
+        // cwnd bounds the chunks in flight (sent, unanswered); the window
+        // bounds the span above the lowest unanswered chunk (the proof rule
+        // and the slot count need that), so chunks being recovered do not
+        // stop new ones while the span allows.
+        let span = (self.lo + w).min(self.nchunks);
+        let cw = self.cwnd.chunks().min(w);
         let stride = HDR_LEN + self.spec.chunk;
         let flags =
             if self.spec.allreduce { F_ALLREDUCE } else { 0 } | if self.spec.user_only { F_USER_ONLY } else { 0 };
-        while self.next < limit {
+        while self.next < span && self.next - self.nacked < cw {
             let c = self.next;
             let pos = (c % w) * stride;
             let h = contribution_header(
@@ -346,7 +367,7 @@ impl<'e> Contributor<'e> {
             self.bufs[pos..pos + HDR_LEN].copy_from_slice(&hb);
             let first = c * self.spec.chunk / self.enc.elem_size();
             self.enc.encode(first, &mut self.bufs[pos + HDR_LEN..pos + HDR_LEN + plen]);
-            self.fast_done[c % w] = false;
+            self.resent[c % w] = 0;
             self.todo.push(c);
             self.next += 1;
             self.stats.chunks += 1;
@@ -433,6 +454,11 @@ impl<'e> Contributor<'e> {
         }
         self.acked[c / 64] |= 1 << (c % 64);
         self.nacked += 1;
+        let w = self.t.window;
+        if self.resent[c % w] == 0 {
+            let sample = now.saturating_duration_since(self.sent_at[c % w]);
+            self.srtt = Some(self.srtt.map_or(sample, |s| (s * 7 + sample) / 8));
+        }
         self.stats.answers += 1;
         let overflow = h.flags & F_OVERFLOW != 0;
         if overflow {
@@ -491,16 +517,17 @@ impl<'e> Contributor<'e> {
         self.hi_end > c + GAP_THRESHOLD
     }
 
-    /// How soon after its last send a chunk may be fast-retransmitted.
-    fn fast_gap(&self) -> Duration {
-        (self.t.rto / 8).max(Duration::from_micros(500))
+    /// How soon after its last send chunk `c` may be fast-retransmitted.
+    fn fast_gap(&self, c: usize) -> Duration {
+        let cap = (self.t.rto / 8).max(Duration::from_micros(200));
+        let base = self.srtt.map_or(cap, |s| (s * 2).clamp(Duration::from_micros(200), cap));
+        base.saturating_mul(1 << self.resent[c % self.t.window].min(4))
     }
 
     /// How long to wait for answers before the next timer (a chunk's
     /// retransmission or the deadline).
     pub fn wait(&self, now: Instant) -> Duration {
         let w = self.t.window;
-        let fast_gap = self.fast_gap();
         let mut due = self.t.deadline.saturating_sub(now.duration_since(self.last_progress));
         for c in self.lo..self.next {
             if self.is_acked(c) {
@@ -508,8 +535,8 @@ impl<'e> Contributor<'e> {
             }
             let since = now.saturating_duration_since(self.sent_at[c % w]);
             due = due.min(self.cur_rto.saturating_sub(since));
-            if self.gap_behind(c) && !self.fast_done[c % w] {
-                due = due.min(fast_gap.saturating_sub(since));
+            if self.gap_behind(c) {
+                due = due.min(self.fast_gap(c).saturating_sub(since));
             }
         }
         due.max(Duration::from_micros(200))
@@ -625,6 +652,7 @@ mod tests {
         g: &Group,
         stop: Arc<AtomicBool>,
         drop_every: u64,
+        drop_below: u32,
     ) -> std::thread::JoinHandle<crate::agg::user::AggStats> {
         let g = g.clone();
         std::thread::spawn(move || {
@@ -651,7 +679,7 @@ mod tests {
                         continue;
                     }
                     seen += 1;
-                    if drop_every > 0 && seen % drop_every == 0 {
+                    if drop_every > 0 && seen % drop_every == 0 && h.frag_off < drop_below {
                         continue;
                     }
                     a.ingest(&h, p, from, now, &mut AllreduceOnly);
@@ -699,9 +727,17 @@ mod tests {
         (0..len as i32).map(|i| i * 3 - rank as i32 * 1000).collect()
     }
 
-    fn both(g: &Group, len: usize, t: Timing, drop_every: u64) -> Vec<(Vec<i64>, ContribStats)> {
+    /// Contributors 1 and 2 against a user-space aggregator that drops every
+    /// `drop_every`-th contribution at a byte offset below `drop_below`.
+    fn both_dropping(
+        g: &Group,
+        len: usize,
+        t: Timing,
+        drop_every: u64,
+        drop_below: u32,
+    ) -> Vec<(Vec<i64>, ContribStats)> {
         let stop = Arc::new(AtomicBool::new(false));
-        let agg = aggregator(g, Arc::clone(&stop), drop_every);
+        let agg = aggregator(g, Arc::clone(&stop), drop_every, drop_below);
         std::thread::sleep(Duration::from_millis(20));
         let handles: Vec<_> = [1u16, 2]
             .into_iter()
@@ -714,6 +750,10 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         agg.join().expect("aggregator thread");
         outs.into_iter().map(|(r, s)| (r.unwrap_or_else(|e| panic!("contributor: {e}")), s)).collect()
+    }
+
+    fn both(g: &Group, len: usize, t: Timing, drop_every: u64) -> Vec<(Vec<i64>, ContribStats)> {
+        both_dropping(g, len, t, drop_every, u32::MAX)
     }
 
     fn expect(len: usize) -> Vec<i64> {
@@ -745,6 +785,23 @@ mod tests {
             assert_eq!(out, expect(len), "duplicates must not be added twice");
             assert!(s.retransmits > 0, "{s:?}");
             assert_eq!(s.chunks, 40);
+        }
+    }
+
+    #[test]
+    fn isolated_losses_are_fast_retransmitted_without_a_timeout() {
+        // rto 3 s, deadline 6 s: a timeout would make the run take >= 3 s.
+        // Every 50th contribution is lost (none of the last 8 chunks: a loss
+        // in the tail has no later answers to reveal it and does wait for
+        // the timeout); answers for the chunks after a loss reveal the gap,
+        // so each loss is resent within a few round trips.
+        let g = group(&free_ports(3));
+        let len = 16 * 400;
+        let t = Timing { window: 32, rto: Duration::from_secs(3), deadline: Duration::from_secs(6) };
+        for (out, s) in both_dropping(&g, len, t, 50, (CHUNK * 392) as u32) {
+            assert_eq!(out, expect(len), "duplicates must not be added twice");
+            assert!(s.fast_retransmits > 0, "{s:?}");
+            assert_eq!(s.stalls, 0, "no chunk may wait for the timeout: {s:?}");
         }
     }
 
