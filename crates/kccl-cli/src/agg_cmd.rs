@@ -190,7 +190,21 @@ fn run_typed<T: CliElement>(a: &CollectiveArgs, root: Option<u16>) -> Result<()>
     let t0 = Instant::now();
     match root {
         Some(root) => match c.reduce(&data, op, root)? {
-            Some(r) => report(&format!("reduce {op} at root {rank}"), a, &r, t0.elapsed())?,
+            Some(r) => {
+                report(&format!("reduce {op} at root {rank}"), a, &r, t0.elapsed())?;
+                // Keep answering until every contributor has its last ACK:
+                // one lost in the fan-out is re-sent only while we run.
+                let open = c.settle(Duration::from_secs_f64(a.deadline))?;
+                if !open.is_empty() {
+                    let ranks: Vec<String> = open.iter().map(|r| r.to_string()).collect();
+                    eprintln!(
+                        "kccl: rank {rank}: ranks {} did not confirm receipt of the reduce within {:.1} s \
+                         (their receipt was lost, or they stopped); the result above is complete",
+                        ranks.join(", "),
+                        a.deadline
+                    );
+                }
+            }
             None => eprintln!(
                 "kccl: rank {rank}: {} elements contributed to the reduce at rank {root} ({:.1} ms)",
                 data.len(),

@@ -41,7 +41,7 @@ use crate::netns;
 use crate::sock::{BatchSocket, RecvBatch};
 use crate::wire::{
     Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM, T_AGG,
-    T_AGG_ACK, T_AGG_PENDING, T_AGG_RESULT,
+    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT,
 };
 
 pub use crate::bcast::{Path, PathChoice};
@@ -315,6 +315,16 @@ impl AggBackend {
         match self {
             AggBackend::User(_) => Ok(None),
             AggBackend::Kernel(k) => k.engine().stats().map(Some),
+        }
+    }
+
+    /// What `rank` proved it received from this aggregator (receipts; on
+    /// the kernel path also its contributions): None or (op id, bound).
+    fn ack_of(&self, rank: u16) -> Result<Option<(u32, u32)>> {
+        match self {
+            AggBackend::User(u) => Ok(u.receipt_of(rank)),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.engine().ack_of(rank),
         }
     }
 
@@ -816,6 +826,17 @@ pub struct Collective {
     cwnds: std::collections::HashMap<u16, Cwnd>,
     /// Ranks left out of every contributor set (Collective::exclude_ranks).
     excluded: Vec<u16>,
+    /// The last reduce this member finished as root, for settle().
+    last_root: Option<RootDone>,
+}
+
+/// A reduce operation finished at this root: (op id, chunks, contributors).
+#[derive(Debug, Clone, Copy)]
+struct RootDone {
+    op_id: u32,
+    nchunks: u32,
+    base: u16,
+    mask: u64,
 }
 
 /// Where RESULT chunks go: (chunk, payload, overflow).
@@ -861,6 +882,7 @@ fn pump(
                 agg.count_datagram();
                 agg.ingest(&h, p, from, now, sink);
             }
+            Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
             Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
                 Some((c, dec)) => {
                     c.on_answer(&h, p, from, now, &mut **dec);
@@ -920,6 +942,7 @@ impl Collective {
             scratch: Vec::with_capacity(chunk / 4),
             cwnds: Default::default(),
             excluded: Vec::new(),
+            last_root: None,
         })
     }
 
@@ -1129,6 +1152,33 @@ impl Collective {
     /// number of contributors.
     pub fn get_aggregated_data<T: Element>(&mut self, len: usize, op: AggOp) -> Result<Vec<T>> {
         self.root_collect::<T>(len, op, None)
+    }
+
+    /// After the last reduce this member finished as root: keeps answering
+    /// retransmissions until every contributor of it confirmed it has every
+    /// answer (its RECEIPT; an ACK lost in the fan-out is re-sent from the
+    /// finished chunk), or `max` passed.  Call it before the process exits
+    /// (on the kernel path the programs detach with it, on the user path
+    /// nobody else answers).  Returns the ranks that did not confirm (their
+    /// receipt was lost, or they died); empty when all did or there was no
+    /// such reduce.
+    pub fn settle(&mut self, max: Duration) -> Result<Vec<u16>> {
+        let Some(d) = self.last_root else { return Ok(Vec::new()) };
+        let end = Instant::now() + max;
+        loop {
+            let mut open = Vec::new();
+            for b in (0..MASK_BITS).filter(|&b| d.mask >> b & 1 != 0) {
+                let rank = d.base + b as u16;
+                if !user::ack_covers(self.backend.ack_of(rank)?, d.op_id, d.nchunks) {
+                    open.push(rank);
+                }
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if open.is_empty() || left.is_zero() {
+                return Ok(open);
+            }
+            self.serve_for(left.min(Duration::from_millis(5)))?;
+        }
     }
 
     /// Serves the aggregator role for `d` without running an operation:
@@ -1536,6 +1586,7 @@ impl Collective {
         }
         self.stats.root_chunks += nchunks as u64;
         drop(st);
+        self.last_root = Some(RootDone { op_id: main.op_id, nchunks: nchunks as u32, base: set.base, mask: set.mask });
         Ok(out)
     }
 

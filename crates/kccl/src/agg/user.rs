@@ -88,6 +88,9 @@ pub struct AggStats {
     pub overflow: u64,
     /// Datagrams that are not contributions (answers, broadcast, ...).
     pub not_contribution: u64,
+    /// KCCL_T_AGG_RECEIPT packets taken (a contributor is done with an
+    /// operation).
+    pub receipts: u64,
 }
 
 impl AggStats {
@@ -279,7 +282,20 @@ pub struct UserAggregator {
     arena: Vec<u8>,
     out: Vec<(SocketAddrV4, usize, usize)>,
     mismatches: VecDeque<MismatchEvent>,
+    /// Per rank: the latest (op id, chunk bound) its receipts proved, as
+    /// struct kccl_agg_acks keeps it on the kernel path.
+    receipts: Vec<Option<(u32, u32)>>,
     stats: AggStats,
+}
+
+/// Whether `ack` (op id, bound: every answer of earlier operations and of
+/// chunks below bound of this one) covers all `nchunks` chunks of `op_id`.
+/// Op ids compare in serial-number order (they wrap at 2^32).
+pub fn ack_covers(ack: Option<(u32, u32)>, op_id: u32, nchunks: u32) -> bool {
+    ack.is_some_and(|(op, bound)| {
+        let d = op.wrapping_sub(op_id) as i32;
+        d > 0 || (d == 0 && bound >= nchunks)
+    })
 }
 
 fn slot_hash(op_id: u32) -> usize {
@@ -333,8 +349,44 @@ impl UserAggregator {
             arena: Vec::with_capacity(64 * 1024),
             out: Vec::with_capacity(1024),
             mismatches: VecDeque::new(),
+            receipts: vec![None; max_rank + 1],
             stats: AggStats::default(),
         }
+    }
+
+    /// Takes a KCCL_T_AGG_RECEIPT: rank src_rank holds every answer of
+    /// operation msg_seq below byte frag_off.  Checked like a contribution
+    /// (job, member address); it only ever raises what the rank proved.
+    pub fn take_receipt(&mut self, h: &Header, from: SocketAddrV4) {
+        if h.job_id != self.cfg.job_id {
+            self.stats.other_job += 1;
+            return;
+        }
+        let r = usize::from(h.src_rank);
+        if self.members.get(r).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return;
+        }
+        let bound = (h.frag_off as usize).div_ceil(self.cfg.chunk_bytes.max(1)) as u32;
+        let new = (h.msg_seq, bound);
+        if let Some(slot) = self.receipts.get_mut(r) {
+            let newer = match *slot {
+                None => true,
+                Some((op, b)) => {
+                    let d = h.msg_seq.wrapping_sub(op) as i32;
+                    d > 0 || (d == 0 && bound > b)
+                }
+            };
+            if newer {
+                *slot = Some(new);
+            }
+        }
+        self.stats.receipts += 1;
+    }
+
+    /// What rank `rank` proved with its receipts: None, or (op id, bound).
+    pub fn receipt_of(&self, rank: u16) -> Option<(u32, u32)> {
+        self.receipts.get(usize::from(rank)).copied().flatten()
     }
 
     pub fn stats(&self) -> AggStats {
@@ -1096,6 +1148,34 @@ mod tests {
         assert_eq!(ans.len(), 1);
         assert_eq!((ans[0].0, ans[0].1.frag_off, ans[0].1.dst_mask), (3, 0, 1 << 3));
         assert_eq!(a.stats().dup_done, 1);
+    }
+
+    #[test]
+    fn receipts_only_raise_and_need_the_member_address() {
+        let mut a = agg(8);
+        let receipt = |rank: u16, op: u32, frag_off: u32| {
+            let mut h = contrib(rank, op, 0, &[1; 4], 12, OP_SUM, false).h;
+            h.msg_type = crate::wire::T_AGG_RECEIPT;
+            h.frag_off = frag_off;
+            h.payload_len = 0;
+            h
+        };
+        a.take_receipt(&receipt(2, 7, 48), from(2));
+        assert_eq!(a.receipt_of(2), Some((7, 3)), "48 bytes of 16-byte chunks: every chunk below 3");
+        assert!(ack_covers(a.receipt_of(2), 7, 3) && !ack_covers(a.receipt_of(2), 7, 4));
+        assert!(ack_covers(a.receipt_of(2), 6, 100), "a later operation covers earlier ones");
+        // An older operation's late receipt does not lower it.
+        a.take_receipt(&receipt(2, 6, 16), from(2));
+        assert_eq!(a.receipt_of(2), Some((7, 3)));
+        // Across the op-id wrap: u32::MAX is before 0.
+        a.take_receipt(&receipt(3, u32::MAX, 48), from(3));
+        a.take_receipt(&receipt(3, 0, 16), from(3));
+        assert_eq!(a.receipt_of(3), Some((0, 1)));
+        // Forged: rank 4's receipt from rank 5's address.
+        let before = a.stats();
+        a.take_receipt(&receipt(4, 9, 48), from(5));
+        assert_eq!((a.receipt_of(4), a.stats().not_member - before.not_member), (None, 1));
+        assert_eq!(a.stats().receipts, 4);
     }
 
     #[test]
