@@ -884,11 +884,14 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		ack_raise(src, bpf_ntohl(h->msg_seq),
 			  (__u32)(((__u64)c.frag + cfg_chunk_bytes - 1) / cfg_chunk_bytes));
 		stat_add(KCCL_AS_RECEIPTS, 1);
-		return XDP_DROP;
+		/* Also to user space: the runtime learns from receipts which
+		 * operations finished (its KCCL_T_AGG_SYNC answers). */
+		return XDP_PASS;
 	}
 	if (h->type != KCCL_T_AGG) {
 		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK ||
-		    h->type == KCCL_T_AGG_PENDING || h->type == KCCL_T_BCAST_ACK)
+		    h->type == KCCL_T_AGG_PENDING || h->type == KCCL_T_BCAST_ACK ||
+		    h->type == KCCL_T_AGG_SYNC || h->type == KCCL_T_AGG_SYNC_ACK)
 			goto pass;
 		goto malformed;
 	}

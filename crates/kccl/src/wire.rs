@@ -25,6 +25,10 @@ pub const ACK_GAP: u16 = 1 << 1;
 pub const T_AGG_PENDING: u8 = 6;
 /// Contributor -> aggregator: cumulative receipt of answers (no payload).
 pub const T_AGG_RECEIPT: u8 = 7;
+/// Contributor -> aggregator: which call to start at (no payload).
+pub const T_AGG_SYNC: u8 = 8;
+/// Aggregator -> contributor: msg_seq = the op id of the call to start at.
+pub const T_AGG_SYNC_ACK: u8 = 9;
 pub const F_FANOUT: u16 = 1 << 0;
 pub const F_LAST_FRAG: u16 = 1 << 1;
 pub const F_ALLREDUCE: u16 = 1 << 2;
@@ -156,7 +160,7 @@ impl Header {
         if h.msg_type == T_BCAST_ACK {
             return Ok((h, payload));
         }
-        let no_data = matches!(h.msg_type, T_AGG_ACK | T_AGG_RECEIPT);
+        let no_data = matches!(h.msg_type, T_AGG_ACK | T_AGG_RECEIPT | T_AGG_SYNC | T_AGG_SYNC_ACK);
         if (end > h.msg_len as u64 && h.msg_type != T_AGG_PENDING) || (h.payload_len == 0 && h.msg_len != 0 && !no_data)
         {
             return Err(WireError::BadFragment { off: h.frag_off, end, msg_len: h.msg_len });
@@ -375,6 +379,8 @@ mod tests {
             ("KCCL_ACK_GAP", ACK_GAP as i64),
             ("KCCL_T_AGG_PENDING", T_AGG_PENDING as i64),
             ("KCCL_T_AGG_RECEIPT", T_AGG_RECEIPT as i64),
+            ("KCCL_T_AGG_SYNC", T_AGG_SYNC as i64),
+            ("KCCL_T_AGG_SYNC_ACK", T_AGG_SYNC_ACK as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),

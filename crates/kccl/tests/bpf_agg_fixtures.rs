@@ -45,7 +45,7 @@ use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
     Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_PENDING,
-    T_AGG_RECEIPT, T_AGG_RESULT, T_BCAST, VERSION,
+    T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
 };
 
 mod support;
@@ -934,8 +934,8 @@ fn fixtures() -> Vec<Fixture> {
     }
     {
         let mut c = one(&mut ids);
-        c.msg_type = 9;
-        t.push(malformed("type 9", c.build()));
+        c.msg_type = 10;
+        t.push(malformed("type 10", c.build()));
     }
     {
         let mut c = one(&mut ids);
@@ -1061,7 +1061,8 @@ fn fixtures() -> Vec<Fixture> {
         let b = Contrib::new(2, op_b, SUM, I32, &[2, 3], &[2]);
         let mut f = Fixture::new("DONE slot of another chunk claimed at once (not a reclaim)", e);
         f.pass(&a, a.answer(T_AGG_RESULT, false, 1 << 1, encode(I32, &[1])));
-        f.drop(&Contrib::receipt(1, op_a, 4)).drop(&b);
+        let r = Contrib::receipt(1, op_a, 4);
+        f.pass(&r, r.build()).drop(&b);
         f.stats = stats(|s| {
             s.pkts = 2;
             s.chunks_done = 1;
@@ -1315,7 +1316,8 @@ fn fixtures() -> Vec<Fixture> {
         forged.saddr = Some(ip_of(7));
         f.drop(&forged);
         // Rank 2's receipt proves it; rank 1's retransmission of B claims.
-        f.drop(&Contrib::receipt(2, op_a, 4));
+        let r = Contrib::receipt(2, op_a, 4);
+        f.pass(&r, r.build());
         f.drop(&cb[0]).pass(&cb[1], cb[1].answer(T_AGG_RESULT, false, 0b110, encode(I32, &[300])));
         // A late copy of rank 1's contribution to A (rank 1 proved it has
         // A's answer by contributing to B): stale, never added, never a slot.
@@ -1395,7 +1397,8 @@ fn fixtures() -> Vec<Fixture> {
         let op_id = ids.alloc(a, &[0]);
         let c = Contrib::new(8, op_id, SUM, I32, &[8, 9], &[5]);
         let mut f = Fixture::new("late copy of a chunk its sender proved: stale, the free slot stays free", a);
-        f.drop(&Contrib::receipt(8, op_id, 4)).drop(&c);
+        let r = Contrib::receipt(8, op_id, 4);
+        f.pass(&r, r.build()).drop(&c);
         f.stats = stats(|s| {
             s.receipts = 1;
             s.stale = 1;
@@ -1404,11 +1407,25 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
     {
+        // SYNC requests and answers are user space's (the aggregator's
+        // runtime answers which call to start at): passed untouched.
+        let mut q = Contrib::receipt(8, 0, 0);
+        q.msg_type = T_AGG_SYNC;
+        q.frag_off = 0;
+        let mut ans = q.clone();
+        ans.msg_type = T_AGG_SYNC_ACK;
+        let mut f = Fixture::new("SYNC and SYNC_ACK pass to user space untouched", a);
+        f.pass(&q, q.build()).pass(&ans, ans.build());
+        f.stats = stats(|s| s.passed = 2);
+        t.push(f);
+    }
+    {
         // A 4-byte chunk: the PENDING answer grows the packet to its 8-byte mask.
         let op_id = ids.alloc(a, &[0]);
         let c = Contrib::new(7, op_id, SUM, I32, &[7, 8, 9], &[5]);
         let mut f = Fixture::new("PENDING to a 4-byte chunk's retransmission carries the 8-byte mask", a);
-        f.drop(&c).pass(&c, c.pending(1 << 8 | 1 << 9)).drop(&Contrib::receipt(7, op_id, 4));
+        let r = Contrib::receipt(7, op_id, 4);
+        f.drop(&c).pass(&c, c.pending(1 << 8 | 1 << 9)).pass(&r, r.build());
         f.stats = stats(|s| {
             s.pkts = 1;
             s.dup = 1;

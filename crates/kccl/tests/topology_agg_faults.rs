@@ -432,3 +432,59 @@ fn dead_member_kernel() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// Member processes started again against a long-lived aggregator: every
+/// round makes fresh Collectives (call numbers from 0) with other data.
+/// Without KCCL_T_AGG_SYNC the second round would reuse op ids: its chunks
+/// would be answered from the first round's finished slots (a wrong result)
+/// or dropped as late copies of chunks the members proved they hold.
+fn restarted_members(prefix: &str, path: PathChoice) {
+    let topo = Topo::up(prefix);
+    let group = topo.group(ALLREDUCE_JOB, &[0, 1, 2, AGG], Some(AGG));
+    let stop = Arc::new(AtomicBool::new(false));
+    let agg = {
+        let (g, s) = (group.clone(), Arc::clone(&stop));
+        on_host(topo.ns(AGG), move || {
+            let mut a = Aggregator::new(&g, AGG, path, cfg()).expect("aggregator");
+            a.serve(&s).expect("serve");
+        })
+    };
+    let mut bad = Vec::new();
+    for round in 0..3usize {
+        let handles: Vec<_> = [0u16, 1, 2]
+            .iter()
+            .map(|&rank| {
+                let g = group.clone();
+                on_host(topo.ns(rank), move || {
+                    let mut c = Collective::new(&g, rank, path, cfg()).expect("member");
+                    (rank, c.allreduce(&data(rank, round), AggOp::Sum).map_err(|e| e.to_string()))
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join().expect("member thread") {
+                (_, Ok(v)) if v == sum_of(&[0, 1, 2], round) => {}
+                (rank, Ok(_)) => bad.push(format!("round {round}, rank {rank}: wrong result")),
+                (rank, Err(e)) => bad.push(format!("round {round}, rank {rank}: {e}")),
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    agg.join().expect("aggregator thread");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn restarted_members_kernel() {
+    if root_or_skip("restarted_members_kernel") {
+        restarted_members("rs-k", PathChoice::Kernel);
+    }
+}
+
+#[test]
+fn restarted_members_user() {
+    if root_or_skip("restarted_members_user") {
+        restarted_members("rs-u", PathChoice::User);
+    }
+}

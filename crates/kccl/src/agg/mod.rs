@@ -41,7 +41,7 @@ use crate::netns;
 use crate::sock::{BatchSocket, RecvBatch};
 use crate::wire::{
     Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM, T_AGG,
-    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT,
+    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
 
 pub use crate::bcast::{Path, PathChoice};
@@ -828,6 +828,9 @@ pub struct Collective {
     excluded: Vec<u16>,
     /// The last reduce this member finished as root, for settle().
     last_root: Option<RootDone>,
+    /// Whether the first call's number was agreed with an aggregator
+    /// (KCCL_T_AGG_SYNC).
+    synced: bool,
 }
 
 /// A reduce operation finished at this root: (op id, chunks, contributors).
@@ -854,6 +857,7 @@ fn pump(
     root_waiting: bool,
     mut contrib: Option<(&mut Contributor<'_>, Decode<'_>)>,
     sink: &mut dyn AggSink,
+    sync_call: u32,
 ) -> Result<()> {
     let mut sock_wait = wait;
     if backend.path() == Path::Kernel {
@@ -883,6 +887,8 @@ fn pump(
                 agg.ingest(&h, p, from, now, sink);
             }
             Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
+            // As a reduce root: contributors start at this root's call.
+            Ok((h, _)) if h.msg_type == T_AGG_SYNC => backend.user_mut().answer_sync(&h, from, sync_call),
             Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
                 Some((c, dec)) => {
                     c.on_answer(&h, p, from, now, &mut **dec);
@@ -943,6 +949,7 @@ impl Collective {
             cwnds: Default::default(),
             excluded: Vec::new(),
             last_root: None,
+            synced: false,
         })
     }
 
@@ -1032,6 +1039,9 @@ impl Collective {
     /// allreduce: every member (all ranks but the group's aggregator) gets
     /// `op` over every member's `data`, combined by the aggregator rank.
     pub fn allreduce<T: Element>(&mut self, data: &[T], op: AggOp) -> Result<Vec<T>> {
+        if let Some(agg) = self.group.aggregator {
+            self.sync_start(agg)?;
+        }
         let call = self.next_call();
         let what = format!("allreduce call {call} ({} {op}, {} elements)", T::NAME, data.len());
         let Some(agg) = self.group.aggregator else {
@@ -1089,6 +1099,9 @@ impl Collective {
     /// for the reduce to rank `to` and waits until every chunk is
     /// acknowledged.
     pub fn send_aggregated_data<T: Element>(&mut self, data: &[T], op: AggOp, to: u16) -> Result<SendReport> {
+        if to != self.me.rank {
+            self.sync_start(to)?;
+        }
         let call = self.next_call();
         let what = format!("reduce call {call} to rank {to} ({} {op}, {} elements)", T::NAME, data.len());
         let to_addr = self.addr_of(to)?;
@@ -1154,6 +1167,81 @@ impl Collective {
         self.root_collect::<T>(len, op, None)
     }
 
+    /// Before this member's first operation toward an aggregator: asks it
+    /// which call to start at (KCCL_T_AGG_SYNC), so that a member process
+    /// started again against a long-lived aggregator (or reduce root) does
+    /// not reuse op ids whose answers or receipts it still holds: a reused
+    /// op id would be answered from the old operation's slot, or dropped as
+    /// a late copy.  Every member of a run asks before the run's first
+    /// operation can finish, so all get the same call.  Retried every rto
+    /// (doubling) until the deadline.
+    fn sync_start(&mut self, agg_rank: u16) -> Result<()> {
+        if self.synced {
+            return Ok(());
+        }
+        let agg = self.addr_of(agg_rank)?;
+        let h = Header {
+            version: VERSION,
+            msg_type: T_AGG_SYNC,
+            flags: 0,
+            job_id: self.group.job_id,
+            src_rank: self.me.rank,
+            mask_base: 0,
+            dst_mask: 0,
+            msg_seq: 0,
+            frag_off: 0,
+            msg_len: 0,
+            payload_len: 0,
+            agg_op: 0,
+            dtype: 0,
+        };
+        let mut hb = [0u8; HDR_LEN];
+        h.encode(&mut hb);
+        let t0 = Instant::now();
+        let mut rto = self.cfg.rto;
+        loop {
+            self.sock.send_all(&[crate::sock::Datagram { to: agg, head: &hb, body: &[] }])?;
+            let until = Instant::now() + rto;
+            while let Some(left) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
+                let n = self.sock.recv_batch(&mut self.rb, Some(left))?;
+                for i in 0..n {
+                    let (d, from) = self.rb.get(i);
+                    match d.ok().and_then(|d| Header::decode(d).ok()) {
+                        Some((a, _))
+                            if a.msg_type == T_AGG_SYNC_ACK
+                                && from == agg
+                                && a.src_rank == agg_rank
+                                && a.job_id == self.group.job_id =>
+                        {
+                            let call = a.msg_seq / 4;
+                            // Only forward: a call already made keeps its number.
+                            if (call.wrapping_sub(self.calls) as i32) > 0 {
+                                self.calls = call;
+                            }
+                            self.synced = true;
+                            return Ok(());
+                        }
+                        // Nothing else is due before the first operation;
+                        // senders of anything else retransmit.
+                        _ => self.stats.other_datagrams += 1,
+                    }
+                }
+            }
+            if t0.elapsed() >= self.cfg.deadline {
+                return Err(Error::Timeout {
+                    ms: t0.elapsed().as_millis() as u64,
+                    what: format!(
+                        "rank {}: no answer from aggregator rank {agg_rank} ({agg}) to which call to start at \
+                         (KCCL_T_AGG_SYNC); check that it runs (`kccl aggregator`, or the reduce root) with the \
+                         same kccl version and group file",
+                        self.me.rank
+                    ),
+                });
+            }
+            rto = rto.saturating_mul(2).min(self.cfg.rto.saturating_mul(16));
+        }
+    }
+
     /// After the last reduce this member finished as root: keeps answering
     /// retransmissions until every contributor of it confirmed it has every
     /// answer (its RECEIPT; an ACK lost in the fan-out is re-sent from the
@@ -1201,7 +1289,17 @@ impl Collective {
                 stale: 0,
             };
             let wait = left.min(Duration::from_millis(50));
-            let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, false, None, &mut sink);
+            let r = pump(
+                &self.sock,
+                &mut self.rb,
+                &mut self.backend,
+                &mut self.stats,
+                wait,
+                false,
+                None,
+                &mut sink,
+                self.calls,
+            );
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
             r?;
@@ -1321,6 +1419,7 @@ impl Collective {
                 false,
                 Some((&mut c, &mut *decode)),
                 &mut sink,
+                self.calls,
             );
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
@@ -1579,7 +1678,8 @@ impl Collective {
                 stashed: 0,
                 stale: 0,
             };
-            let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink);
+            let r =
+                pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink, call);
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
             r?;

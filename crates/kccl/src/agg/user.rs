@@ -32,7 +32,7 @@ use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
     Header, DT_I64, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX,
-    OP_MIN, OP_SUM, T_AGG, T_AGG_ACK, T_AGG_RESULT, VERSION,
+    OP_MIN, OP_SUM, T_AGG, T_AGG_ACK, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
 
 /// Aggregator counters; the names follow enum kccl_agg_stat where the two
@@ -91,6 +91,8 @@ pub struct AggStats {
     /// KCCL_T_AGG_RECEIPT packets taken (a contributor is done with an
     /// operation).
     pub receipts: u64,
+    /// KCCL_T_AGG_SYNC requests answered.
+    pub syncs: u64,
 }
 
 impl AggStats {
@@ -285,7 +287,14 @@ pub struct UserAggregator {
     /// Per rank: the latest (op id, chunk bound) its receipts proved, as
     /// struct kccl_agg_acks keeps it on the kernel path.
     receipts: Vec<Option<(u32, u32)>>,
+    /// The latest operation a receipt said was finished (every chunk).
+    last_done: Option<u32>,
     stats: AggStats,
+}
+
+/// a after b in serial-number order (op ids wrap at 2^32).
+fn op_after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
 }
 
 /// Whether `ack` (op id, bound: every answer of earlier operations and of
@@ -350,6 +359,7 @@ impl UserAggregator {
             out: Vec::with_capacity(1024),
             mismatches: VecDeque::new(),
             receipts: vec![None; max_rank + 1],
+            last_done: None,
             stats: AggStats::default(),
         }
     }
@@ -372,16 +382,56 @@ impl UserAggregator {
         if let Some(slot) = self.receipts.get_mut(r) {
             let newer = match *slot {
                 None => true,
-                Some((op, b)) => {
-                    let d = h.msg_seq.wrapping_sub(op) as i32;
-                    d > 0 || (d == 0 && bound > b)
-                }
+                Some((op, b)) => op_after(h.msg_seq, op) || (h.msg_seq == op && bound > b),
             };
             if newer {
                 *slot = Some(new);
             }
         }
+        if h.frag_off >= h.msg_len && self.last_done.is_none_or(|d| op_after(h.msg_seq, d)) {
+            self.last_done = Some(h.msg_seq);
+        }
         self.stats.receipts += 1;
+    }
+
+    /// The call a member starting now should begin at: the one after the
+    /// latest finished operation (op ids are call * 4 + k), 0 if none.
+    pub fn next_call_hint(&self) -> u32 {
+        self.last_done.map_or(0, |op| op / 4 + 1)
+    }
+
+    /// Answers a KCCL_T_AGG_SYNC from a member (checked like a receipt)
+    /// with the op id of `call`; queued for the next flush.
+    pub fn answer_sync(&mut self, h: &Header, from: SocketAddrV4, call: u32) {
+        if h.job_id != self.cfg.job_id {
+            self.stats.other_job += 1;
+            return;
+        }
+        if self.members.get(usize::from(h.src_rank)).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return;
+        }
+        let a = Header {
+            version: VERSION,
+            msg_type: T_AGG_SYNC_ACK,
+            flags: 0,
+            job_id: self.cfg.job_id,
+            src_rank: self.cfg.my_rank,
+            mask_base: 0,
+            dst_mask: 0,
+            msg_seq: call.wrapping_mul(4),
+            frag_off: 0,
+            msg_len: 0,
+            payload_len: 0,
+            agg_op: 0,
+            dtype: 0,
+        };
+        let mut hb = [0u8; HDR_LEN];
+        a.encode(&mut hb);
+        let start = self.arena.len();
+        self.arena.extend_from_slice(&hb);
+        self.out.push((from, start, HDR_LEN));
+        self.stats.syncs += 1;
     }
 
     /// What rank `rank` proved with its receipts: None, or (op id, bound).
@@ -774,6 +824,11 @@ impl UserAggregator {
             };
             match Header::decode(d) {
                 Ok((h, p)) if h.msg_type == T_AGG => self.ingest(&h, p, from, now, sink),
+                Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => self.take_receipt(&h, from),
+                Ok((h, _)) if h.msg_type == T_AGG_SYNC => {
+                    let call = self.next_call_hint();
+                    self.answer_sync(&h, from, call);
+                }
                 Ok(_) => self.stats.not_contribution += 1,
                 Err(_) => self.stats.malformed += 1,
             }
