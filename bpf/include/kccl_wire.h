@@ -35,16 +35,15 @@ enum kccl_msg_type {
 	 * aggregator reuse the slots of those chunks (docs/AGGREGATION.md,
 	 * "Slot reuse"). */
 	KCCL_T_AGG_RECEIPT = 7,
-	/* Contributor -> aggregator, no payload, msg_seq 0: "which call do I
-	 * start at?"  Sent once, before a member's first operation toward an
-	 * aggregator, so that a member process started again against a
+	/* Contributor -> allreduce aggregator, no payload, msg_seq 0: "which
+	 * call do I start at?"  Sent once, before a member's first allreduce,
+	 * so that a member process started again against a
 	 * long-lived aggregator does not reuse op ids whose answers (or
 	 * receipts) the aggregator still holds. */
 	KCCL_T_AGG_SYNC = 8,
 	/* Aggregator -> that contributor, no payload: msg_seq = the op id of
 	 * the call to start at (call * 4): the call after the latest one any
-	 * member's receipt said was finished, or a reduce root's own next (or
-	 * running) call. */
+	 * member's receipt said was finished. */
 	KCCL_T_AGG_SYNC_ACK = 9,
 };
 

@@ -857,7 +857,6 @@ fn pump(
     root_waiting: bool,
     mut contrib: Option<(&mut Contributor<'_>, Decode<'_>)>,
     sink: &mut dyn AggSink,
-    sync_call: u32,
 ) -> Result<()> {
     let mut sock_wait = wait;
     if backend.path() == Path::Kernel {
@@ -887,8 +886,6 @@ fn pump(
                 agg.ingest(&h, p, from, now, sink);
             }
             Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
-            // As a reduce root: contributors start at this root's call.
-            Ok((h, _)) if h.msg_type == T_AGG_SYNC => backend.user_mut().answer_sync(&h, from, sync_call),
             Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
                 Some((c, dec)) => {
                     c.on_answer(&h, p, from, now, &mut **dec);
@@ -1099,9 +1096,6 @@ impl Collective {
     /// for the reduce to rank `to` and waits until every chunk is
     /// acknowledged.
     pub fn send_aggregated_data<T: Element>(&mut self, data: &[T], op: AggOp, to: u16) -> Result<SendReport> {
-        if to != self.me.rank {
-            self.sync_start(to)?;
-        }
         let call = self.next_call();
         let what = format!("reduce call {call} to rank {to} ({} {op}, {} elements)", T::NAME, data.len());
         let to_addr = self.addr_of(to)?;
@@ -1167,14 +1161,16 @@ impl Collective {
         self.root_collect::<T>(len, op, None)
     }
 
-    /// Before this member's first operation toward an aggregator: asks it
-    /// which call to start at (KCCL_T_AGG_SYNC), so that a member process
-    /// started again against a long-lived aggregator (or reduce root) does
-    /// not reuse op ids whose answers or receipts it still holds: a reused
-    /// op id would be answered from the old operation's slot, or dropped as
-    /// a late copy.  Every member of a run asks before the run's first
-    /// operation can finish, so all get the same call.  Retried every rto
-    /// (doubling) until the deadline.
+    /// Before this member's first allreduce: asks the group's aggregator
+    /// service which call to start at (KCCL_T_AGG_SYNC), so that a member
+    /// process started again against a long-lived aggregator does not reuse
+    /// op ids whose answers or receipts it still holds: a reused op id would
+    /// be answered from the old operation's slot, or dropped as a late
+    /// copy.  Every member of a run asks before the run's first operation
+    /// can finish, so all get the same call.  Retried every rto (doubling)
+    /// until the deadline.  Not for reduce: a root may start reading only
+    /// after its contributors finished (the kernel aggregates meanwhile),
+    /// and a root is normally a process of the job itself.
     fn sync_start(&mut self, agg_rank: u16) -> Result<()> {
         if self.synced {
             return Ok(());
@@ -1289,17 +1285,7 @@ impl Collective {
                 stale: 0,
             };
             let wait = left.min(Duration::from_millis(50));
-            let r = pump(
-                &self.sock,
-                &mut self.rb,
-                &mut self.backend,
-                &mut self.stats,
-                wait,
-                false,
-                None,
-                &mut sink,
-                self.calls,
-            );
+            let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, false, None, &mut sink);
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
             r?;
@@ -1419,7 +1405,6 @@ impl Collective {
                 false,
                 Some((&mut c, &mut *decode)),
                 &mut sink,
-                self.calls,
             );
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
@@ -1678,8 +1663,7 @@ impl Collective {
                 stashed: 0,
                 stale: 0,
             };
-            let r =
-                pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink, call);
+            let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink);
             self.stats.stashed += sink.stashed;
             self.stats.stale_chunks += sink.stale;
             r?;
