@@ -33,7 +33,8 @@
  *    clone) is counted (KCCL_AS_FANOUT_MISSED) and reported on
  *    agg_miss_events, so the runtime can send that copy from user space; the
  *    contributor's retransmission would otherwise fetch it (DUP_DONE).
- *  - Everything else passes untouched (not counted: xdp_agg counts it).
+ *  - Everything else passes untouched to the next program of the TCX chain
+ *    (TCX_NEXT; not counted: xdp_agg counts it).
  * Counters go to agg_stats (FANOUT_COPIES, FANOUT_MISSED), shared with
  * xdp_agg by the loader.
  */
@@ -45,8 +46,11 @@
 #include "kccl_bcast.h"
 #include "kccl_agg.h"
 
-#define TC_ACT_OK	0
 #define TC_ACT_SHOT	2
+/* TCX_NEXT (TC_ACT_UNSPEC): what this program does not fan out goes on to
+ * the next program of the TCX ingress chain (and up if there is none);
+ * TC_ACT_OK would end the chain for every packet of the interface. */
+#define TCX_NEXT	(-1)
 
 /* Set by the loader before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
@@ -100,22 +104,22 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 
 	l4_off = kccl_skb_l4(skb, &ip, &l4);
 	if (!l4_off || l4.udp.source != bpf_htons(cfg_port))
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	udp_len = bpf_ntohs(l4.udp.len);
 	if (udp_len < sizeof(struct udphdr) + KCCL_HDR_LEN || l4_off + udp_len > skb->len ||
 	    bpf_skb_load_bytes(skb, l4_off + sizeof(struct udphdr), &h, sizeof(h)))
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	if (h.version != KCCL_VERSION ||
 	    (h.type != KCCL_T_AGG_RESULT && h.type != KCCL_T_AGG_ACK && h.type != KCCL_T_AGG_PENDING) ||
 	    !(h.flags & bpf_htons(KCCL_F_FANOUT)) || bpf_ntohl(h.job_id) != cfg_job_id ||
 	    bpf_ntohs(h.payload_len) != udp_len - sizeof(struct udphdr) - KCCL_HDR_LEN)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	if (bpf_ntohs(h.src_rank) != cfg_my_rank)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 	mask_base = bpf_ntohs(h.mask_base);
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS || mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
-		return TC_ACT_OK;
+		return TCX_NEXT;
 
 	f.skb = skb;
 	f.l4_off = l4_off;
@@ -133,7 +137,7 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	if (bpf_l4_csum_replace(skb, l4_off + offsetof(struct udphdr, check), h.flags, new_flags,
 				BPF_F_MARK_MANGLED_0 | sizeof(new_flags)) ||
 	    bpf_skb_store_bytes(skb, flags_off, &new_flags, sizeof(new_flags), 0))
-		return TC_ACT_OK;
+		return TCX_NEXT;
 
 	skb->mark = cfg_clone_mark;
 	kccl_fan_out(&f);

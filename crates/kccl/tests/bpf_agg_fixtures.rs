@@ -53,7 +53,9 @@ use support::{csum_add, csum_fold, inet_csum, pseudo_sum, Capture, NetnsGuard};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
-const TC_ACT_OK: u32 = 0;
+/// TCX_NEXT (-1): tc_agg_result hands what it does not fan out on to the
+/// next program of the TCX ingress chain.
+const TCX_NEXT: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
@@ -1910,7 +1912,7 @@ fn tc_fixtures() -> Vec<TcFixture> {
         output: input.clone(),
         input,
         members: all.clone(),
-        verdict: TC_ACT_OK,
+        verdict: TCX_NEXT,
         copies: vec![],
         stats: AggStats::default(),
         misses: vec![],
@@ -1993,7 +1995,7 @@ fn run_tc_fixture(n: usize, fx: &TcFixture) -> Result<(), Vec<String>> {
     if !d.is_empty() {
         errs.push(format!("output skb: {d}"));
     }
-    let want_mark = if fx.verdict == TC_ACT_OK { 0 } else { CLONE_MARK };
+    let want_mark = if fx.verdict == TCX_NEXT { 0 } else { CLONE_MARK };
     if o.mark != want_mark {
         errs.push(format!("skb mark {:#x} (want {want_mark:#x})", o.mark));
     }
