@@ -182,10 +182,6 @@ impl Cwnd {
 /// order: the aggregator's CPUs complete chunks in parallel).
 const GAP_THRESHOLD: usize = 3;
 
-/// Round-trip excess over twice the smallest one that still counts as no
-/// queue (scheduling noise of a loaded host).
-const QUEUE_SLACK: Duration = Duration::from_micros(500);
-
 /// Smallest congestion window after a cut: GAP_THRESHOLD answers beyond a
 /// lost chunk must fit in it for the loss to be seen without a timeout.
 const MIN_CWND: usize = 8;
@@ -228,8 +224,6 @@ pub struct Contributor<'e> {
     resent: Vec<u8>,
     /// Smoothed round trip of first transmissions (None: no sample yet).
     srtt: Option<Duration>,
-    /// Smallest round trip seen (the path without queueing).
-    min_rtt: Option<Duration>,
     last_progress: Instant,
     /// Current retransmission timeout (backs off, reset by progress).
     cur_rto: Duration,
@@ -266,7 +260,6 @@ impl<'e> Contributor<'e> {
             sent_at: vec![now; window],
             resent: vec![0; window],
             srtt: None,
-            min_rtt: None,
             last_progress: now,
             cur_rto: t.rto,
             started: now,
@@ -465,7 +458,6 @@ impl<'e> Contributor<'e> {
         if self.resent[c % w] == 0 {
             let sample = now.saturating_duration_since(self.sent_at[c % w]);
             self.srtt = Some(self.srtt.map_or(sample, |s| (s * 7 + sample) / 8));
-            self.min_rtt = Some(self.min_rtt.map_or(sample, |m| m.min(sample)));
         }
         self.stats.answers += 1;
         let overflow = h.flags & F_OVERFLOW != 0;
@@ -483,16 +475,7 @@ impl<'e> Contributor<'e> {
         self.last_progress = now;
         self.cur_rto = self.t.rto;
         self.missing = None;
-        // Grow only while the round trip shows no standing queue: a window
-        // beyond what the aggregator drains only adds delay, and delay is
-        // what every loss recovery waits for.
-        let queued = match (self.srtt, self.min_rtt) {
-            (Some(s), Some(m)) => s > m * 2 + QUEUE_SLACK,
-            _ => false,
-        };
-        if !queued {
-            self.cwnd.on_answer(self.t.window);
-        }
+        self.cwnd.on_answer(self.t.window);
         self.note_window();
         Verdict::Progress
     }
