@@ -1234,6 +1234,36 @@ mod tests {
     }
 
     #[test]
+    fn sync_answers_the_call_after_the_latest_finished_operation() {
+        let mut a = agg(8);
+        let mut q = contrib(1, 0, 0, &[1; 4], 12, OP_SUM, false).h;
+        q.msg_type = T_AGG_SYNC;
+        q.payload_len = 0;
+        let call_of = |a: &mut UserAggregator| -> Vec<(u16, u32)> {
+            answers(a)
+                .into_iter()
+                .filter(|(_, h, _)| h.msg_type == T_AGG_SYNC_ACK)
+                .map(|(to, h, _)| (to, h.msg_seq / 4))
+                .collect()
+        };
+        a.answer_sync(&q, from(1), a.next_call_hint());
+        assert_eq!(call_of(&mut a), [(1, 0)], "nothing finished yet: call 0");
+        // Rank 2 finished op 9 (call 2, all 48 bytes); rank 3 only part of op 13.
+        let mut r = q;
+        r.msg_type = T_AGG_RECEIPT;
+        (r.src_rank, r.msg_seq, r.frag_off, r.msg_len) = (2, 9, 48, 48);
+        a.take_receipt(&r, from(2));
+        (r.src_rank, r.msg_seq, r.frag_off, r.msg_len) = (3, 13, 16, 48);
+        a.take_receipt(&r, from(3));
+        a.answer_sync(&q, from(1), a.next_call_hint());
+        assert_eq!(call_of(&mut a), [(1, 3)], "the call after op 9");
+        // A SYNC from another address than the rank's: counted, unanswered.
+        let before = a.stats().not_member;
+        a.answer_sync(&q, from(4), a.next_call_hint());
+        assert_eq!((call_of(&mut a), a.stats().not_member - before), (vec![], 1));
+    }
+
+    #[test]
     fn stale_packets_of_finished_ops_take_no_slot() {
         let mut a = agg(2);
         let mut out = Out::default();
