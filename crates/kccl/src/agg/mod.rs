@@ -214,9 +214,12 @@ pub struct AggConfig {
     /// Chunk bytes; None: the group file's `chunk_bytes` (default 1432, for
     /// an MTU of 1500).
     pub chunk_bytes: Option<u32>,
-    /// Chunks in flight beyond the lowest unanswered one.
+    /// Span of chunks a contributor may have sent above its lowest
+    /// unanswered one (the slot-reuse proof's W; also the largest
+    /// congestion window, which bounds the chunks in flight).
     pub window: usize,
-    /// Retransmission timeout (no new answer for this long).
+    /// Retransmission timeout: a chunk unanswered this long after its last
+    /// send is sent again (fast retransmission usually comes first).
     pub rto: Duration,
     /// An operation fails when nothing progressed for this long.
     pub deadline: Duration,
