@@ -481,7 +481,7 @@ impl<'e> Contributor<'e> {
             let sample = now.saturating_duration_since(self.sent_at[c % w]);
             self.rttvar = match self.srtt {
                 None => sample / 2,
-                Some(s) => (self.rttvar * 3 + if s > sample { s - sample } else { sample - s }) / 4,
+                Some(s) => (self.rttvar * 3 + s.abs_diff(sample)) / 4,
             };
             self.srtt = Some(self.srtt.map_or(sample, |s| (s * 7 + sample) / 8));
         }
