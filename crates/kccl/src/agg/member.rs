@@ -18,7 +18,7 @@
 //!   back in about chunk order, so a gap that persists means a lost
 //!   contribution or answer) and it was last sent at least `fast_gap` ago:
 //!   twice the smoothed round trip of first transmissions (Karn), within
-//!   [200 us, rto/2], doubled for each further fast retransmission of the
+//!   [200 us, rto/8], doubled for each further fast retransmission of the
 //!   chunk (its copy, or the answer to it, may be lost too; with 4
 //!   contributors and loss on every link about 8% of chunks need
 //!   recovery at 1% loss, so a second loss on a chunk is common and must
@@ -32,7 +32,8 @@
 //!   event per rto: when the aggregator is merely late (its CPU busy),
 //!   every chunk in flight expires at once, and resending them all would
 //!   double its work just when it is behind (seen: 9 members, user-space
-//!   aggregator, 2.3x the datagrams).  `rto` is the configured one, or
+//!   aggregator, 1.8x the datagrams); an expired chunk with later chunks
+//!   answered is certainly lost and always resent.  `rto` is the configured one, or
 //!   srtt + 4 rttvar (RFC 6298) when the measured round trip is longer.
 //!   When nothing was answered for `rto` (a stall) the window halves and
 //!   the timeout doubles (up to 16 x rto) until an answer arrives.
@@ -317,20 +318,26 @@ impl<'e> Contributor<'e> {
     pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
         self.todo.clear();
         let w = self.t.window;
-        let (mut timed_out, mut fast) = (0u64, 0u64);
+        let (mut timed_out, mut unsure, mut fast) = (0u64, 0u64, 0u64);
         let rto = self.rto_now();
-        // One timeout event per rto, resending at most TIMEOUT_BURST of the
-        // lowest expired chunks: when the aggregator is merely late (a busy
-        // CPU), every chunk in flight expires at once, and resending them
-        // all would double its work just when it is behind; if more were
-        // lost, the answers to these reveal them as gaps.
+        // An expired chunk with later chunks answered is lost: resent.  One
+        // without (the tail, or everything in flight when the aggregator
+        // is merely late: a busy CPU) may only be late: at most
+        // TIMEOUT_BURST of the lowest such chunks are resent, once per rto;
+        // resending them all would double a late aggregator's work just
+        // when it is behind, and if more were lost, the answers to these
+        // reveal them as gaps.
         let timeout_due = now.saturating_duration_since(self.last_timeout) >= rto;
         for c in self.lo..self.next {
             if self.is_acked(c) {
                 continue;
             }
             let since = now.saturating_duration_since(self.sent_at[c % w]);
-            if since >= rto && timeout_due && timed_out < TIMEOUT_BURST {
+            let expired = since >= rto;
+            if expired && self.gap_behind(c) {
+                timed_out += 1;
+            } else if expired && timeout_due && unsure < TIMEOUT_BURST {
+                unsure += 1;
                 timed_out += 1;
             } else if self.gap_behind(c) && since >= self.fast_gap(c) {
                 fast += 1;
@@ -348,6 +355,8 @@ impl<'e> Contributor<'e> {
         let stalled = timed_out > 0 && now.duration_since(self.last_progress) >= rto;
         if timed_out > 0 {
             self.stats.stalls += 1;
+        }
+        if unsure > 0 {
             self.last_timeout = now;
         }
         if stalled {
@@ -553,7 +562,7 @@ impl<'e> Contributor<'e> {
 
     /// How soon after its last send chunk `c` may be fast-retransmitted.
     fn fast_gap(&self, c: usize) -> Duration {
-        let cap = (self.t.rto / 2).max(Duration::from_micros(200));
+        let cap = (self.t.rto / 8).max(Duration::from_micros(200));
         let base = self.srtt.map_or(cap, |s| (s * 2).clamp(Duration::from_micros(200), cap));
         base.saturating_mul(1 << self.resent[c % self.t.window].min(4))
     }
@@ -567,7 +576,10 @@ impl<'e> Contributor<'e> {
             if self.is_acked(c) {
                 continue;
             }
-            let since = now.saturating_duration_since(self.sent_at[c % w]).min(now.duration_since(self.last_timeout));
+            let mut since = now.saturating_duration_since(self.sent_at[c % w]);
+            if !self.gap_behind(c) {
+                since = since.min(now.duration_since(self.last_timeout));
+            }
             due = due.min(self.rto_now().saturating_sub(since));
             if self.gap_behind(c) {
                 due = due.min(self.fast_gap(c).saturating_sub(since));
