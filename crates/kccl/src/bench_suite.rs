@@ -78,6 +78,11 @@ impl Experiment {
         }
     }
 
+    /// Runs Gloo and Open MPI (unless --no-peers).
+    pub fn uses_peers(self) -> bool {
+        !matches!(self, Experiment::AggCpu | Experiment::ScatterGather)
+    }
+
     /// Needs root (namespaces, BPF).
     pub fn needs_root(self) -> bool {
         self != Experiment::ScatterGather
@@ -256,7 +261,11 @@ impl Env {
         let date = cmd_out("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_else(|| "unknown date".into());
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+            })
             .unwrap_or_else(|| "unknown CPU".into());
         let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
         let mem_gib = meminfo_kib("MemTotal").map(|k| k as f64 / (1 << 20) as f64).unwrap_or(f64::NAN);
@@ -474,7 +483,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     std::fs::create_dir_all(&spec.out).map_err(|e| Error::io(format!("creating {}", spec.out.display()), e))?;
     let env = Env::probe();
     println!("== kccl benchmark suite{}: {}", if spec.smoke { " (smoke)" } else { "" }, env.machine);
-    if spec.peers {
+    if spec.peers && spec.experiments.iter().any(|e| e.uses_peers()) {
         for p in [Peer::Gloo, Peer::Mpi] {
             if let Err(e) = bench_peers::check_installed(p) {
                 return Err(Error::Usage(format!("{e} (or run the suite with --no-peers)")));
@@ -483,6 +492,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     }
     let t0 = Instant::now();
     let total = spec.experiments.len();
+    let summary = spec.out.join("summary.md");
     let mut results = Vec::new();
     for (i, &e) in spec.experiments.iter().enumerate() {
         let prog = Progress { t0, idx: i + 1, total, name: e.name() };
@@ -528,10 +538,10 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
             prog.say(format!("  FAILED: {err}"));
         }
         results.push(res);
+        // After every experiment: a run stopped part-way still has the table of what it finished.
+        let text = summary_md(&results, &env, spec);
+        std::fs::write(&summary, text).map_err(|e| Error::io(format!("writing {}", summary.display()), e))?;
     }
-    let summary = spec.out.join("summary.md");
-    let text = summary_md(&results, &env, spec);
-    std::fs::write(&summary, text).map_err(|e| Error::io(format!("writing {}", summary.display()), e))?;
     let failed = results.iter().filter(|r| !r.errors.is_empty()).count();
     Ok(SuiteOutcome { results, summary, failed })
 }
@@ -579,9 +589,25 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
     let plan = bcast_plan(spec.smoke);
     let by_recv = e == Experiment::BcastReceivers;
     let mut res = if by_recv {
-        ExperimentResult::new(e, spec, env, "first send to last receiving application holding the message", "us", "receivers", false)
+        ExperimentResult::new(
+            e,
+            spec,
+            env,
+            "first send to last receiving application holding the message",
+            "us",
+            "receivers",
+            false,
+        )
     } else {
-        ExperimentResult::new(e, spec, env, "first send to last receiving application holding the message", "us", "UDP payload bytes per packet", false)
+        ExperimentResult::new(
+            e,
+            spec,
+            env,
+            "first send to last receiving application holding the message",
+            "us",
+            "UDP payload bytes per packet",
+            false,
+        )
     };
     // (receivers, size) points.
     let points: Vec<(usize, usize)> = if by_recv {
@@ -641,7 +667,10 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
                 s.cpu = r.total_cpu_us;
                 s.iters = r.iters;
                 if r.lost > 0 {
-                    res.notes.push(format!("{point} {}: {} of {} broadcasts not complete within 1 s (lost)", r.path, r.lost, r.iters));
+                    res.notes.push(format!(
+                        "{point} {}: {} of {} broadcasts not complete within 1 s (lost)",
+                        r.path, r.lost, r.iters
+                    ));
                 }
                 acc.add("", x, &point, sys_of(r.path), s);
                 res.raw(&format!("repeat {rep}"), &r);
@@ -656,15 +685,38 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
                     if by_recv && !plan.peer_receivers.contains(&n) {
                         continue;
                     }
-                    let (x, point) =
-                        if by_recv { (n as f64, format!("receivers={n}")) } else { (size as f64, format!("size={size}")) };
+                    let (x, point) = if by_recv {
+                        (n as f64, format!("receivers={n}"))
+                    } else {
+                        (size as f64, format!("size={size}"))
+                    };
                     // kccl's size counts its header; the peers send the same payload bytes.
                     let bytes = size / 4 * 4;
-                    run_peers(spec, &mut res, &mut acc, prog, &cl, PeerOp::Broadcast, bytes, n + 1, None, "", x, &point, 1.0, 0, 0.0);
+                    run_peers(
+                        spec,
+                        &mut res,
+                        &mut acc,
+                        prog,
+                        &cl,
+                        PeerOp::Broadcast,
+                        bytes,
+                        n + 1,
+                        None,
+                        "",
+                        x,
+                        &point,
+                        1.0,
+                        0,
+                        0.0,
+                    );
                 }
                 if by_recv {
-                    let skipped: Vec<String> =
-                        plan.receivers.iter().filter(|n| !plan.peer_receivers.contains(n)).map(|n| n.to_string()).collect();
+                    let skipped: Vec<String> = plan
+                        .receivers
+                        .iter()
+                        .filter(|n| !plan.peer_receivers.contains(n))
+                        .map(|n| n.to_string())
+                        .collect();
                     if !skipped.is_empty() {
                         res.notes.push(format!(
                             "peers run at receivers {:?} only (each peer run starts one Python process per host; receivers {} skipped for time)",
@@ -711,7 +763,15 @@ fn agg_iters(smoke: bool, bytes: usize) -> (usize, usize) {
 
 fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
     let e = Experiment::AggThroughput;
-    let mut res = ExperimentResult::new(e, spec, env, "time of one reduce (barrier to the root holding the result)", "ms", "bytes per rank", true);
+    let mut res = ExperimentResult::new(
+        e,
+        spec,
+        env,
+        "time of one reduce (barrier to the root holding the result)",
+        "ms",
+        "bytes per rank",
+        true,
+    );
     let sizes: Vec<usize> = if spec.smoke {
         vec![65_536, 1 << 20]
     } else {
@@ -750,7 +810,15 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
         let (iters, reps) = agg_iters(spec.smoke, bytes);
         for rep in 0..reps {
             prog.say(format!("{point} repeat {}/{reps}: kernel and user path, {iters} timed reduces each", rep + 1));
-            match h.measure(Kind::Reduce, AggOp::Sum, SENDERS, &[PathChoice::Kernel, PathChoice::User], &[bytes], iters, &agg_cfg()) {
+            match h.measure(
+                Kind::Reduce,
+                AggOp::Sum,
+                SENDERS,
+                &[PathChoice::Kernel, PathChoice::User],
+                &[bytes],
+                iters,
+                &agg_cfg(),
+            ) {
                 Ok(rows) => {
                     for r in rows {
                         acc.add("", bytes as f64, &point, sys_of(r.path), agg_sample(&r));
@@ -764,7 +832,23 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
             }
         }
         match &cl {
-            Ok(cl) => run_peers(spec, &mut res, &mut acc, prog, cl, PeerOp::Reduce, bytes, SENDERS + 1, Some((2, 10)), "", bytes as f64, &point, 1e-3, SENDERS, 0.0),
+            Ok(cl) => run_peers(
+                spec,
+                &mut res,
+                &mut acc,
+                prog,
+                cl,
+                PeerOp::Reduce,
+                bytes,
+                SENDERS + 1,
+                Some((2, 10)),
+                "",
+                bytes as f64,
+                &point,
+                1e-3,
+                SENDERS,
+                0.0,
+            ),
             Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
         }
     }
@@ -793,7 +877,8 @@ fn gemm(a: &[f32], b: &[f32], n: usize) -> Vec<f32> {
 /// contributor's matrix, as the harness checked it) times rank 0's matrix.
 /// Checks sampled entries against an f64 dot product first.
 fn time_gemm(n: usize, contributors: &[u16], iters: usize) -> Result<(f64, f64)> {
-    let sum: Vec<f32> = (0..n * n).map(|i| contributors.iter().map(|&r| rank_value(r, i)).sum::<i32>() as f32).collect();
+    let sum: Vec<f32> =
+        (0..n * n).map(|i| contributors.iter().map(|&r| rank_value(r, i)).sum::<i32>() as f32).collect();
     let b: Vec<f32> = (0..n * n).map(|i| rank_value(0, i) as f32).collect();
     let c = gemm(&sum, &b, n);
     for (i, j) in [(0, 0), (n / 2, n / 3), (n - 1, n - 1), (n / 7, n - 1)] {
@@ -818,7 +903,15 @@ fn time_gemm(n: usize, contributors: &[u16], iters: usize) -> Result<(f64, f64)>
 
 fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
     let e = Experiment::AggGemm;
-    let mut res = ExperimentResult::new(e, spec, env, "reduce of N x N int32 matrices + the root's float32 GEMM of the result", "ms", "matrix size N", true);
+    let mut res = ExperimentResult::new(
+        e,
+        spec,
+        env,
+        "reduce of N x N int32 matrices + the root's float32 GEMM of the result",
+        "ms",
+        "matrix size N",
+        true,
+    );
     let ns: Vec<usize> = if spec.smoke { vec![64, 128] } else { vec![128, 256, 512, 1024] };
     res.notes.push(
         "time = median reduce time (measured as in agg-throughput, same run) + median time of the root's single-threaded \
@@ -857,7 +950,15 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
         let (iters, reps) = agg_iters(spec.smoke, bytes);
         for rep in 0..reps {
             prog.say(format!("{point} repeat {}/{reps}: reduce of {bytes} B, both paths", rep + 1));
-            match h.measure(Kind::Reduce, AggOp::Sum, SENDERS, &[PathChoice::Kernel, PathChoice::User], &[bytes], iters, &agg_cfg()) {
+            match h.measure(
+                Kind::Reduce,
+                AggOp::Sum,
+                SENDERS,
+                &[PathChoice::Kernel, PathChoice::User],
+                &[bytes],
+                iters,
+                &agg_cfg(),
+            ) {
                 Ok(rows) => {
                     for r in rows {
                         let mut s = agg_sample(&r);
@@ -874,7 +975,23 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
             }
         }
         match &cl {
-            Ok(cl) => run_peers(spec, &mut res, &mut acc, prog, cl, PeerOp::Reduce, bytes, SENDERS + 1, Some((3, 20)), "", n as f64, &point, 1e-3, SENDERS, g50),
+            Ok(cl) => run_peers(
+                spec,
+                &mut res,
+                &mut acc,
+                prog,
+                cl,
+                PeerOp::Reduce,
+                bytes,
+                SENDERS + 1,
+                Some((3, 20)),
+                "",
+                n as f64,
+                &point,
+                1e-3,
+                SENDERS,
+                g50,
+            ),
             Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
         }
     }
@@ -885,7 +1002,15 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
 
 fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
     let e = Experiment::AggCpu;
-    let mut res = ExperimentResult::new(e, spec, env, "aggregator CPU (NAPI thread + aggregator thread) / wall time", "% of one CPU", "senders", false);
+    let mut res = ExperimentResult::new(
+        e,
+        spec,
+        env,
+        "aggregator CPU (NAPI thread + aggregator thread) / wall time",
+        "% of one CPU",
+        "senders",
+        false,
+    );
     let (senders, secs, reps): (Vec<usize>, f64, usize) =
         if spec.smoke { (vec![2], 0.5, 1) } else { (vec![2, 4, 6, 8, 10, 16, 20, 30], 4.0, 2) };
     let (bytes, period) = (65_536usize, Duration::from_millis(20));
@@ -901,7 +1026,15 @@ fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
         for rep in 0..reps {
             for choice in [PathChoice::Kernel, PathChoice::User] {
                 prog.say(format!("{point} repeat {}/{reps}: {choice:?} path", rep + 1));
-                match measure_cpu(&cluster::unique_name("su-cp"), n, choice, bytes, period, Duration::from_secs_f64(secs), &agg_cfg()) {
+                match measure_cpu(
+                    &cluster::unique_name("su-cp"),
+                    n,
+                    choice,
+                    bytes,
+                    period,
+                    Duration::from_secs_f64(secs),
+                    &agg_cfg(),
+                ) {
                     Ok(r) => {
                         prog.say(format!(
                             "  {}: cpu {:.1}% (napi {:.1}% + thread {:.1}%), offered {:.1} MB/s achieved {:.1} MB/s",
@@ -933,7 +1066,15 @@ pub const MODELS: [(&str, usize); 3] =
 
 fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
     let e = Experiment::ParamServer;
-    let mut res = ExperimentResult::new(e, spec, env, "time of one allreduce of the gradient (barrier to the slowest worker holding it)", "ms", "workers", false);
+    let mut res = ExperimentResult::new(
+        e,
+        spec,
+        env,
+        "time of one allreduce of the gradient (barrier to the slowest worker holding it)",
+        "ms",
+        "workers",
+        false,
+    );
     let (workers, scale): (Vec<usize>, usize) = if spec.smoke { (vec![2], 100) } else { (vec![2, 4, 6, 8, 10], 1) };
     res.notes.push(format!(
         "allreduce (sum) of one gradient per worker; kccl: host 0 is the aggregator service and workers are hosts 1..=W, the peers run \
@@ -982,7 +1123,15 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
             let point = format!("{m} workers={w}");
             let iters = if spec.smoke { 3 } else { 2 };
             prog.say(format!("{point}: allreduce of {bytes} B, both paths, {iters} timed each"));
-            match h.measure(Kind::Allreduce, AggOp::Sum, w, &[PathChoice::Kernel, PathChoice::User], &[bytes], iters, &agg_cfg()) {
+            match h.measure(
+                Kind::Allreduce,
+                AggOp::Sum,
+                w,
+                &[PathChoice::Kernel, PathChoice::User],
+                &[bytes],
+                iters,
+                &agg_cfg(),
+            ) {
                 Ok(rows) => {
                     for r in rows {
                         acc.add(m, w as f64, &point, sys_of(r.path), agg_sample(&r));
@@ -992,7 +1141,23 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
                 Err(err) => res.errors.push(format!("{point}: kccl allreduce: {err}")),
             }
             match &cl {
-                Ok(cl) => run_peers(spec, &mut res, &mut acc, prog, cl, PeerOp::Allreduce, bytes, w, Some((1, 3)), m, w as f64, &point, 1e-3, w, 0.0),
+                Ok(cl) => run_peers(
+                    spec,
+                    &mut res,
+                    &mut acc,
+                    prog,
+                    cl,
+                    PeerOp::Allreduce,
+                    bytes,
+                    w,
+                    Some((1, 3)),
+                    m,
+                    w as f64,
+                    &point,
+                    1e-3,
+                    w,
+                    0.0,
+                ),
                 Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
             }
         }
@@ -1038,7 +1203,8 @@ fn targets(res: &[ExperimentResult]) -> Vec<String> {
             );
             for p in ["gloo", "mpi"] {
                 match find(res, Experiment::BcastReceivers, "receivers=9", p) {
-                    Some(r) => write!(line, "; below {p} ({} us): {}", fmt_v(r.median), verdict(k.median < r.median)).unwrap_or(()),
+                    Some(r) => write!(line, "; below {p} ({} us): {}", fmt_v(r.median), verdict(k.median < r.median))
+                        .unwrap_or(()),
                     None => write!(line, "; {p}: not measured in this run").unwrap_or(()),
                 }
             }
@@ -1071,7 +1237,10 @@ fn targets(res: &[ExperimentResult]) -> Vec<String> {
             let mut line = format!("ResNet-34 allreduce, 4 workers: kernel {} ms", fmt_v(k.median));
             for p in [SYS_USER, "gloo", "mpi"] {
                 match find(res, Experiment::ParamServer, "ResNet-34 workers=4", p) {
-                    Some(r) => write!(line, "; {p} {} ms (kernel faster: {})", fmt_v(r.median), verdict(k.median < r.median)).unwrap_or(()),
+                    Some(r) => {
+                        write!(line, "; {p} {} ms (kernel faster: {})", fmt_v(r.median), verdict(k.median < r.median))
+                            .unwrap_or(())
+                    }
                     None => write!(line, "; {p}: not measured").unwrap_or(()),
                 }
             }
@@ -1084,8 +1253,18 @@ fn targets(res: &[ExperimentResult]) -> Vec<String> {
 
 fn summary_md(res: &[ExperimentResult], env: &Env, spec: &SuiteSpec) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "# kccl benchmark suite{}\n", if spec.smoke { " (smoke: tiny sizes, few iterations; not for comparison)" } else { "" });
-    let _ = writeln!(s, "- date: {}\n- machine: {}\n- command: `kccl bench all{}`\n", env.date, env.machine, if spec.smoke { " --smoke" } else { "" });
+    let _ = writeln!(
+        s,
+        "# kccl benchmark suite{}\n",
+        if spec.smoke { " (smoke: tiny sizes, few iterations; not for comparison)" } else { "" }
+    );
+    let _ = writeln!(
+        s,
+        "- date: {}\n- machine: {}\n- command: `kccl bench all{}`\n",
+        env.date,
+        env.machine,
+        if spec.smoke { " --smoke" } else { "" }
+    );
     let _ = writeln!(
         s,
         "Per experiment and system: median and p99 of the experiment's metric (median over repeats of each repeat's median/p99), \
@@ -1111,13 +1290,22 @@ fn summary_md(res: &[ExperimentResult], env: &Env, spec: &SuiteSpec) -> String {
             let _ = writeln!(s, "- **FAILED**: {e}");
         }
         if !r.rows.is_empty() {
-            let _ = writeln!(s, "\n| point | system | median | p99 | x user | repeats min / median / max | CPU/op | Melem/s |");
+            let _ = writeln!(
+                s,
+                "\n| point | system | median | p99 | x user | repeats min / median / max | CPU/op | Melem/s |"
+            );
             let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
             for row in &r.rows {
                 let mut reps = row.repeat_medians.clone();
                 reps.sort_by(f64::total_cmp);
                 let reps_s = if reps.len() > 1 {
-                    format!("{} / {} / {} ({})", fmt_v(reps[0]), fmt_v(percentile(&reps, 50.0)), fmt_v(reps[reps.len() - 1]), reps.len())
+                    format!(
+                        "{} / {} / {} ({})",
+                        fmt_v(reps[0]),
+                        fmt_v(percentile(&reps, 50.0)),
+                        fmt_v(reps[reps.len() - 1]),
+                        reps.len()
+                    )
                 } else {
                     "1 run".into()
                 };
