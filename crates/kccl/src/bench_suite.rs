@@ -794,7 +794,9 @@ fn agg_cfg() -> AggConfig {
 fn agg_sample(r: &AggRecord) -> Sample {
     let mut s = Sample::new(r.p50_ms, r.p99_ms);
     s.cpu = r.aggregator_cpu_ms + r.sender_cpu_ms * r.senders as f64;
-    s.melem = r.elems_per_s / 1e6;
+    // From the median time, so the two columns agree (the harness's own rate is
+    // the median of per-iteration rates, which differs from it with 2 iterations).
+    s.melem = (r.elems * r.senders) as f64 / (r.p50_ms / 1e3).max(1e-12) / 1e6;
     s.iters = r.iters;
     s
 }
