@@ -129,7 +129,8 @@ def suite(records, png):
                 ax.plot(xs, p99, marker="x", linestyle="--", color=c, alpha=0.6, label=f"{sysname} p99")
             ratio = [num(x["ratio_to_user"]) for x in rows]
             if sysname != "kccl-user" and any(v == v for v in ratio):
-                axes[-1].plot(xs, ratio, marker="o", color=c, linestyle="-" if len(series) == 1 else ":",
+                style = ["-", "--", ":", "-."][series.index(ser) % 4]
+                axes[-1].plot(xs, ratio, marker="os^v"[series.index(ser) % 4], color=c, linestyle=style,
                               label=f"{ser} {sysname}".strip())
         ax.set(title=(ser + ": " if ser else "") + r["unit"], xlabel=r["x_label"], ylabel=r["unit"])
         if r["unit"] in ("us", "ms"):

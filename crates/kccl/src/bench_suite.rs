@@ -660,7 +660,7 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
     res.notes.push(format!(
         "{} timed broadcasts per path per repeat after a checked one and warm-up, {} repeats, paths alternating in blocks; \
          median/p99 = first send to the last receiving application returning the whole message (what the peers' figures measure too); \
-         the raw records also hold the kernel receive-timestamp latency (p50_us) and sender/process CPU",
+         the `held` series is first send to the kernel's receive timestamp of the last datagram at the last receiver (kccl only); CPU/op = the whole kccl process per broadcast (us)",
         plan.iters, plan.repeats
     ));
     let mut acc = Acc::default();
