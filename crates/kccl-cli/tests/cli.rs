@@ -765,13 +765,20 @@ fn bench_all_runs_a_tiny_subset() {
     match serde_json::from_str::<serde_json::Value>(&json) {
         Ok(v) => {
             let rows = v[0]["rows"].as_array().cloned().unwrap_or_default();
-            for sys in ["kccl-kernel", "kccl-user"] {
-                let n =
-                    rows.iter().filter(|r| r["system"] == sys && r["median"].as_f64().is_some_and(|m| m > 0.0)).count();
-                if n != 2 {
-                    problems.push(format!(
-                        "bcast-size.json: {n} rows of {sys} with a positive median, expected 2 (sizes 64, 1472)"
-                    ));
+            // Two series: to the receiving application, and to the kernel's receive timestamp.
+            for series in ["app", "held"] {
+                for sys in ["kccl-kernel", "kccl-user"] {
+                    let n = rows
+                        .iter()
+                        .filter(|r| {
+                            r["series"] == series && r["system"] == sys && r["median"].as_f64().is_some_and(|m| m > 0.0)
+                        })
+                        .count();
+                    if n != 2 {
+                        problems.push(format!(
+                            "bcast-size.json: {n} {series} rows of {sys} with a positive median, expected 2 (sizes 64, 1472)"
+                        ));
+                    }
                 }
             }
             if v[0]["status"] != "measured" {
