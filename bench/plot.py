@@ -99,7 +99,60 @@ def loss(records, png):
     fig.savefig(png, dpi=110)
 
 
-KINDS = {"broadcast": broadcast, "reduce": aggregation, "allreduce": aggregation, "cpu": cpu, "loss": loss}
+def suite(records, png):
+    """One experiment of `kccl bench all`: per series (the model for
+    param-server) the median per system (error bars: min-max of the repeats'
+    medians) and p99 (dashed), then the ratio to the user-space path."""
+    r = records[0]
+    series = sorted({row["series"] for row in r["rows"]})
+    systems = sorted({row["system"] for row in r["rows"]})
+    colors = {s: f"C{i}" for i, s in enumerate(systems)}
+    fig, axes = plt.subplots(1, len(series) + 1, figsize=(6.5 * (len(series) + 1), 5), squeeze=False)
+    axes = axes[0]
+
+    def num(v):
+        return float("nan") if v is None else v
+
+    for ax, ser in zip(axes, series):
+        for sysname in systems:
+            rows = sorted((x for x in r["rows"] if x["series"] == ser and x["system"] == sysname), key=lambda x: x["x"])
+            if not rows:
+                continue
+            xs = [x["x"] for x in rows]
+            med = [num(x["median"]) for x in rows]
+            lo = [m - min(num(v) for v in x["repeat_medians"]) for m, x in zip(med, rows)]
+            hi = [max(num(v) for v in x["repeat_medians"]) - m for m, x in zip(med, rows)]
+            c = colors[sysname]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, color=c, label=f"{sysname} median")
+            p99 = [num(x["p99"]) for x in rows]
+            if any(v == v for v in p99):
+                ax.plot(xs, p99, marker="x", linestyle="--", color=c, alpha=0.6, label=f"{sysname} p99")
+            ratio = [num(x["ratio_to_user"]) for x in rows]
+            if sysname != "kccl-user" and any(v == v for v in ratio):
+                style = ["-", "--", ":", "-."][series.index(ser) % 4]
+                axes[-1].plot(xs, ratio, marker="os^v"[series.index(ser) % 4], color=c, linestyle=style,
+                              label=f"{ser} {sysname}".strip())
+        ax.set(title=(ser + ": " if ser else "") + r["unit"], xlabel=r["x_label"], ylabel=r["unit"])
+        if r["unit"] in ("us", "ms"):
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+    axes[-1].axhline(1.0, color="grey", linestyle=":", label="kccl-user")
+    axes[-1].set(title="median / kccl-user median (< 1: faster)", xlabel=r["x_label"], ylabel="x")
+    axes[-1].set_ylim(bottom=0)
+    if any(v > 20 for v in (num(x["ratio_to_user"]) for x in r["rows"])):
+        axes[-1].set_yscale("symlog", linthresh=1)
+    for a in axes:
+        if r["log_x"]:
+            a.set_xscale("log", base=2)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=7)
+    fig.suptitle(f"{r['title']}: {r['metric']}  ({r['date']}{', SMOKE' if r['smoke'] else ''})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+KINDS = {"broadcast": broadcast, "reduce": aggregation, "allreduce": aggregation, "cpu": cpu, "loss": loss, "suite": suite}
 
 if __name__ == "__main__":
     kind, src, dst = sys.argv[1:4]

@@ -19,6 +19,7 @@ mod agg_cmd;
 mod demo;
 mod loss_cmd;
 mod peers_cmd;
+mod suite_cmd;
 
 #[derive(Parser)]
 #[command(name = "kccl", version, about = "In-kernel collective communication (eBPF) for ordinary Linux hosts")]
@@ -190,6 +191,8 @@ enum BenchCmd {
     Loss(loss_cmd::BenchLossArgs),
     /// Gloo or Open MPI doing the same collective on a virtual cluster (`make setup-peers` installs them).
     Peers(peers_cmd::PeersArgs),
+    /// The whole suite (AggBox/sgbpf experiments, kernel vs user path vs Gloo and Open MPI): JSON, PNG, summary.md.
+    All(suite_cmd::SuiteArgs),
 }
 
 #[derive(Args)]
@@ -235,6 +238,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Loss(a)) => loss_cmd::bench(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Peers(a)) => peers_cmd::run(a),
+        Cmd::Bench(BenchCmd::All(a)) => suite_cmd::run(a),
         Cmd::Demo(a) => demo::run(a).map(|_| ExitCode::SUCCESS),
         Cmd::Fault(a) => fault_cmd(a).map(|_| ExitCode::SUCCESS),
     }

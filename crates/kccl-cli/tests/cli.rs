@@ -699,3 +699,96 @@ fn reduce_and_allreduce_through_the_cli() {
     }
     assert_clean(test, problems);
 }
+
+#[test]
+fn bench_all_rejects_bad_arguments() {
+    let test = "bench_all_rejects_bad_arguments";
+    let dir = Scratch::new("suite-bad");
+    let file = dir.write("not-a-dir", "x");
+    let mut problems = Vec::new();
+    let o = run(&["bench", "all", "--smoke", "--experiments", "bcast,agg-cpu", "--out", s(&dir.path("o1"))]);
+    problems.extend(expect_error(
+        "unknown experiment",
+        &o,
+        &["unknown experiment 'bcast'", "bcast-receivers", "param-server"],
+    ));
+    let o = run(&["bench", "all", "--smoke", "--out", s(&file)]);
+    problems.extend(expect_error("--out is a file", &o, &["not-a-dir", "not a directory"]));
+    let o = run(&["bench", "all", "--smoke", "--max-bytes", "0", "--out", s(&dir.path("o2"))]);
+    problems.extend(expect_error("--max-bytes 0", &o, &["--max-bytes 0"]));
+    let o = run(&["bench", "all", "--smoke", "--experiments", "", "--out", s(&dir.path("o3"))]);
+    problems.extend(expect_error("empty experiment list", &o, &["experiment"]));
+    // Not an option of the suite: clap's usage error (exit 2) names it.
+    let o = run(&["bench", "all", "--smoke", "--iters", "5"]);
+    if o.status.code() != Some(2) || !err_of(&o).contains("--iters") {
+        problems.push(format!("--iters: exit {:?}, stderr {:?}", o.status.code(), err_of(&o)));
+    }
+    // Nothing was created for a rejected run.
+    for d in ["o1", "o2", "o3"] {
+        if dir.path(d).exists() {
+            problems.push(format!("a rejected run created {d}"));
+        }
+    }
+    assert_clean(test, problems);
+}
+
+#[test]
+fn bench_all_runs_a_tiny_subset() {
+    let test = "bench_all_runs_a_tiny_subset";
+    let dir = Scratch::new("suite-run");
+    let out = dir.path("out");
+    let mut problems = Vec::new();
+    // Scatter-gather does not exist yet: recorded as not measured, no root needed.
+    let o = run(&["bench", "all", "--smoke", "--experiments", "scatter-gather", "--out", s(&out)]);
+    if !o.status.success() {
+        problems.push(format!("scatter-gather only: exit {:?}: {}", o.status.code(), err_of(&o)));
+    }
+    let summary = fs::read_to_string(out.join("summary.md")).unwrap_or_default();
+    if !summary.contains("not measured: scatter-gather does not exist yet") {
+        problems.push(format!("summary.md does not say scatter-gather is not measured: {summary:?}"));
+    }
+    let sg = fs::read_to_string(out.join("scatter-gather.json")).unwrap_or_default();
+    if !sg.contains("\"status\": \"not measured\"") {
+        problems.push(format!("scatter-gather.json: {sg:?}"));
+    }
+    if !is_root() {
+        println!("SKIPPED {test} (broadcast part): needs root (network namespaces, BPF)");
+        assert_clean(test, problems);
+        return;
+    }
+    // One real experiment, checked results, both kccl paths (the peers have tests/peers.rs).
+    let o = run(&["bench", "all", "--smoke", "--experiments", "bcast-size", "--no-peers", "--out", s(&out)]);
+    if !o.status.success() {
+        problems.push(format!("bcast-size: exit {:?}: {}", o.status.code(), err_of(&o)));
+    }
+    let json = fs::read_to_string(out.join("bcast-size.json")).unwrap_or_default();
+    match serde_json::from_str::<serde_json::Value>(&json) {
+        Ok(v) => {
+            let rows = v[0]["rows"].as_array().cloned().unwrap_or_default();
+            // Two series: to the receiving application, and to the kernel's receive timestamp.
+            for series in ["app", "held"] {
+                for sys in ["kccl-kernel", "kccl-user"] {
+                    let n = rows
+                        .iter()
+                        .filter(|r| {
+                            r["series"] == series && r["system"] == sys && r["median"].as_f64().is_some_and(|m| m > 0.0)
+                        })
+                        .count();
+                    if n != 2 {
+                        problems.push(format!(
+                            "bcast-size.json: {n} {series} rows of {sys} with a positive median, expected 2 (sizes 64, 1472)"
+                        ));
+                    }
+                }
+            }
+            if v[0]["status"] != "measured" {
+                problems.push(format!("bcast-size status {}", v[0]["status"]));
+            }
+        }
+        Err(e) => problems.push(format!("bcast-size.json is not JSON: {e}")),
+    }
+    if fs::metadata(out.join("bcast-size.png")).map(|m| m.len()).unwrap_or(0) < 1000 {
+        problems.push("bcast-size.png missing or empty".into());
+    }
+    assert_clean(test, problems);
+}

@@ -46,6 +46,7 @@ pub struct BcastRecord {
     /// machine running all hosts is mostly scheduler queueing.
     pub app_p50_us: f64,
     pub app_p99_us: f64,
+    pub app_mean_us: f64,
     /// Sender thread CPU per broadcast (includes softirq work in its context).
     pub sender_cpu_us: f64,
     /// CPU of the whole process (sender, receivers, softirq) per broadcast.
@@ -300,6 +301,7 @@ impl BcastHarness {
                     max_us: l.last().copied().unwrap_or(f64::NAN),
                     app_p50_us: percentile(a, 50.0),
                     app_p99_us: percentile(a, 99.0),
+                    app_mean_us: if a.is_empty() { f64::NAN } else { a.iter().sum::<f64>() / a.len() as f64 },
                     sender_cpu_us: cpu[pi].as_secs_f64() * 1e6 / iters.max(1) as f64,
                     total_cpu_us: total_cpu[pi].as_secs_f64() * 1e6 / iters.max(1) as f64,
                     datagrams_per_op: dgrams[pi] as f64 / iters.max(1) as f64,

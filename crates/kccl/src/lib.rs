@@ -19,6 +19,7 @@ pub mod bench;
 pub mod bench_agg;
 pub mod bench_loss;
 pub mod bench_peers;
+pub mod bench_suite;
 pub mod cluster;
 pub mod error;
 pub mod fault;

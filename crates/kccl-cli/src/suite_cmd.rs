@@ -1,0 +1,60 @@
+//! `kccl bench all`: the benchmark suite (kccl::bench_suite), with its
+//! arguments checked before anything is built.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use kccl::bench_suite::{self, SuiteSpec};
+use kccl::error::is_root;
+use kccl::{Error, Result};
+
+#[derive(Args)]
+pub struct SuiteArgs {
+    /// Fast run for CI: every experiment at one or two small points, few iterations (under 5 minutes).
+    #[arg(long)]
+    smoke: bool,
+    /// Directory for one JSON and one PNG per experiment and summary.md (created).
+    #[arg(long, default_value = "bench-out/suite")]
+    out: PathBuf,
+    /// Experiments to run: all, or a comma list of bcast-receivers, bcast-size, agg-throughput,
+    /// agg-gemm, agg-cpu, param-server, scatter-gather.
+    #[arg(long, default_value = "all", value_delimiter = ',')]
+    experiments: Vec<String>,
+    /// Skip data sizes above this many bytes per rank (the skip is recorded in summary.md).
+    #[arg(long)]
+    max_bytes: Option<usize>,
+    /// Do not run Gloo and Open MPI (without this, they must be installed: `make setup-peers`).
+    #[arg(long)]
+    no_peers: bool,
+}
+
+pub fn run(a: SuiteArgs) -> Result<ExitCode> {
+    let experiments = bench_suite::parse_experiments(&a.experiments)?;
+    if a.max_bytes == Some(0) {
+        return Err(Error::Usage("--max-bytes 0: must be a positive number of bytes per rank".into()));
+    }
+    let spec = SuiteSpec {
+        smoke: a.smoke,
+        out: a.out,
+        experiments,
+        peers: !a.no_peers,
+        max_bytes: a.max_bytes.unwrap_or(usize::MAX),
+    };
+    spec.validate()?;
+    if spec.experiments.iter().any(|e| e.needs_root()) && !is_root() {
+        return Err(Error::NotRoot { what: "kccl bench all (virtual cluster and BPF programs)".into() });
+    }
+    let outcome = bench_suite::run(&spec)?;
+    println!("wrote {} (and one JSON/PNG per experiment in {})", outcome.summary.display(), spec.out.display());
+    if outcome.failed > 0 {
+        eprintln!(
+            "kccl: error: {} of {} experiments failed (result check or run error); see {}",
+            outcome.failed,
+            outcome.results.len(),
+            outcome.summary.display()
+        );
+        return Ok(ExitCode::from(1));
+    }
+    Ok(ExitCode::SUCCESS)
+}
