@@ -43,6 +43,7 @@ bench: build setup-peers
 # ~1.5 min here, fails if any result check fails.
 bench-smoke: build setup-peers
 	$(SUDO) $(KCCL) bench all --smoke --out bench-out/suite-smoke
+	$(SUDO) $(KCCL) bench loss --smoke --json bench-out/loss-smoke.json --plot bench-out/loss-smoke.png
 
 clean:
 	$(CARGO) clean
