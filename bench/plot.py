@@ -89,7 +89,10 @@ def loss(records, png):
             x = [r["loss"] * 100 for r in rows]
             ax.plot(x, [r["relative"] for r in rows], marker="o", label=p)
         ax.axhline(0.8, color="grey", linestyle=":", label="target 0.8x (kernel, 1%)")
+        # Loss rates span decades and include 0: symlog, no negative side.
         ax.set_xscale("symlog", linthresh=0.01)
+        top = max((r["loss"] * 100 for r in records), default=1.0)
+        ax.set_xlim(left=0, right=max(top, 0.01) * 1.5)
         ax.set(title=f"{c}: throughput under loss (seed {records[0]['seed']})", xlabel="loss on every link (%)",
                ylabel="x of no-loss throughput")
         ax.grid(True, alpha=0.3)
