@@ -382,12 +382,18 @@ fn spawn_receiver(
         .map_err(|e| Error::io("spawning a receiver thread", e))
 }
 
+/// The `p`-th percentile of ascending `sorted`, interpolated linearly
+/// between the two closest ranks (numpy's default): the median of an even
+/// count is the mean of the middle two, not the upper one (with the few
+/// samples of large benchmark points, rounding the rank up made every
+/// median the worse value).  NaN when empty.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
-    let rank = (p / 100.0 * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
+    let rank = (p.clamp(0.0, 100.0) / 100.0) * (sorted.len() - 1) as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
 }
 
 /// CPU time of the whole process (all threads).
@@ -435,5 +441,22 @@ fn python() -> &'static str {
         "/usr/bin/python3"
     } else {
         "python3"
+    }
+}
+
+#[cfg(test)]
+mod percentile_tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_interpolate_between_ranks() {
+        assert!(percentile(&[], 50.0).is_nan());
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+        assert_eq!(percentile(&[1.0, 3.0], 50.0), 2.0, "median of two is their mean");
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 10.0], 50.0), 2.5);
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 0.0), 1.0);
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 100.0), 3.0);
+        let v: Vec<f64> = (0..101).map(f64::from).collect();
+        assert_eq!(percentile(&v, 99.0), 99.0);
     }
 }
