@@ -811,6 +811,47 @@ fn agg_iters(smoke: bool, bytes: usize) -> (usize, usize) {
     }
 }
 
+/// The repeats of one reduce point through both kccl paths (SENDERS
+/// senders, checked by the harness before timing) into `acc` at `x`;
+/// `plus` (median, p99 ms) is added to each sample (the GEMM that follows
+/// the reduce in agg-gemm).  Stops at the first failed repeat.
+#[allow(clippy::too_many_arguments)]
+fn kccl_reduce_repeats(
+    spec: &SuiteSpec,
+    h: &AggHarness,
+    res: &mut ExperimentResult,
+    acc: &mut Acc,
+    prog: &Progress,
+    point: &str,
+    x: f64,
+    bytes: usize,
+    plus: (f64, f64),
+) {
+    let (iters, reps) = agg_iters(spec.smoke, bytes);
+    for rep in 0..reps {
+        prog.say(format!(
+            "{point} repeat {}/{reps}: reduce of {bytes} B, kernel and user path, {iters} timed each",
+            rep + 1
+        ));
+        let paths = [PathChoice::Kernel, PathChoice::User];
+        match h.measure(Kind::Reduce, AggOp::Sum, SENDERS, &paths, &[bytes], iters, &agg_cfg()) {
+            Ok(rows) => {
+                for r in rows {
+                    let mut s = agg_sample(&r);
+                    s.median += plus.0;
+                    s.p99 += plus.1;
+                    acc.add("", x, point, sys_of(r.path), s);
+                    res.raw(&format!("repeat {rep}"), &r);
+                }
+            }
+            Err(err) => {
+                res.errors.push(format!("{point}: kccl reduce: {err}"));
+                break;
+            }
+        }
+    }
+}
+
 fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
     let e = Experiment::AggThroughput;
     let mut res = ExperimentResult::new(
@@ -857,30 +898,7 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
             ));
             continue;
         }
-        let (iters, reps) = agg_iters(spec.smoke, bytes);
-        for rep in 0..reps {
-            prog.say(format!("{point} repeat {}/{reps}: kernel and user path, {iters} timed reduces each", rep + 1));
-            match h.measure(
-                Kind::Reduce,
-                AggOp::Sum,
-                SENDERS,
-                &[PathChoice::Kernel, PathChoice::User],
-                &[bytes],
-                iters,
-                &agg_cfg(),
-            ) {
-                Ok(rows) => {
-                    for r in rows {
-                        acc.add("", bytes as f64, &point, sys_of(r.path), agg_sample(&r));
-                        res.raw(&format!("repeat {rep}"), &r);
-                    }
-                }
-                Err(err) => {
-                    res.errors.push(format!("{point}: kccl reduce: {err}"));
-                    break;
-                }
-            }
-        }
+        kccl_reduce_repeats(spec, &h, &mut res, &mut acc, prog, &point, bytes as f64, bytes, (0.0, 0.0));
         match &cl {
             Ok(cl) => run_peers(
                 spec,
@@ -997,33 +1015,7 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
         let mut g = Sample::new(g50, g99);
         g.iters = g_iters;
         acc.add("", n as f64, &point, "gemm-only", g);
-        let (iters, reps) = agg_iters(spec.smoke, bytes);
-        for rep in 0..reps {
-            prog.say(format!("{point} repeat {}/{reps}: reduce of {bytes} B, both paths", rep + 1));
-            match h.measure(
-                Kind::Reduce,
-                AggOp::Sum,
-                SENDERS,
-                &[PathChoice::Kernel, PathChoice::User],
-                &[bytes],
-                iters,
-                &agg_cfg(),
-            ) {
-                Ok(rows) => {
-                    for r in rows {
-                        let mut s = agg_sample(&r);
-                        s.median += g50;
-                        s.p99 += g99;
-                        acc.add("", n as f64, &point, sys_of(r.path), s);
-                        res.raw(&format!("repeat {rep}"), &r);
-                    }
-                }
-                Err(err) => {
-                    res.errors.push(format!("{point}: kccl reduce: {err}"));
-                    break;
-                }
-            }
-        }
+        kccl_reduce_repeats(spec, &h, &mut res, &mut acc, prog, &point, n as f64, bytes, (g50, g99));
         match &cl {
             Ok(cl) => run_peers(
                 spec,

@@ -94,6 +94,26 @@ pub struct Header {
 }
 
 impl Header {
+    /// A payload-less control header (SYNC, SYNC_ACK): only type, job,
+    /// sender and msg_seq mean anything, the rest is zero.
+    pub fn control(msg_type: u8, job_id: u32, src_rank: u16, msg_seq: u32) -> Header {
+        Header {
+            version: VERSION,
+            msg_type,
+            flags: 0,
+            job_id,
+            src_rank,
+            mask_base: 0,
+            dst_mask: 0,
+            msg_seq,
+            frag_off: 0,
+            msg_len: 0,
+            payload_len: 0,
+            agg_op: 0,
+            dtype: 0,
+        }
+    }
+
     pub fn encode(&self, out: &mut [u8; HDR_LEN]) {
         out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
         out[4] = self.version;

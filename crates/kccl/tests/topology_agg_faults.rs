@@ -108,6 +108,20 @@ fn on_host<T: Send + 'static>(ns: String, f: impl FnOnce() -> T + Send + 'static
     })
 }
 
+/// The allreduce aggregator service on rank AGG's host until `stop`; prints
+/// its kernel counters at the end.
+fn serve_aggregator(topo: &Topo, group: &Group, path: PathChoice, stop: &Arc<AtomicBool>) -> JoinHandle<()> {
+    let (g, s) = (group.clone(), Arc::clone(stop));
+    on_host(topo.ns(AGG), move || {
+        let mut a = Aggregator::new(&g, AGG, path, cfg()).expect("aggregator");
+        a.serve(&s).expect("serve");
+        #[cfg(feature = "kernel-agg")]
+        if let Some(k) = a.kernel_stats().expect("kernel stats") {
+            println!("aggregator kernel counters: {k:?}");
+        }
+    })
+}
+
 /// Rank r's data of run `k`: deterministic, sums of 3 stay in int32.
 fn data(rank: u16, k: usize) -> Vec<i32> {
     let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (u64::from(rank) << 40) ^ k as u64;
@@ -160,17 +174,7 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
     let sc = scenarios(seed, agg_rank);
     let n = sc.len();
     let stop = Arc::new(AtomicBool::new(false));
-    let agg = (!reduce).then(|| {
-        let (g, s) = (group.clone(), Arc::clone(&stop));
-        on_host(topo.ns(AGG), move || {
-            let mut a = Aggregator::new(&g, AGG, path, cfg()).expect("aggregator");
-            a.serve(&s).expect("serve");
-            #[cfg(feature = "kernel-agg")]
-            if let Some(k) = a.kernel_stats().expect("kernel stats") {
-                println!("aggregator kernel counters: {k:?}");
-            }
-        })
-    });
+    let agg = (!reduce).then(|| serve_aggregator(&topo, &group, path, &stop));
     let barrier = Arc::new(Barrier::new(members.len() + 1));
     let handles: Vec<_> = members
         .iter()
@@ -442,13 +446,7 @@ fn restarted_members(prefix: &str, path: PathChoice) {
     let topo = Topo::up(prefix);
     let group = topo.group(ALLREDUCE_JOB, &[0, 1, 2, AGG], Some(AGG));
     let stop = Arc::new(AtomicBool::new(false));
-    let agg = {
-        let (g, s) = (group.clone(), Arc::clone(&stop));
-        on_host(topo.ns(AGG), move || {
-            let mut a = Aggregator::new(&g, AGG, path, cfg()).expect("aggregator");
-            a.serve(&s).expect("serve");
-        })
-    };
+    let agg = serve_aggregator(&topo, &group, path, &stop);
     let mut bad = Vec::new();
     for round in 0..3usize {
         let handles: Vec<_> = [0u16, 1, 2]

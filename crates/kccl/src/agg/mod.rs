@@ -41,7 +41,7 @@ use crate::netns;
 use crate::sock::{BatchSocket, RecvBatch};
 use crate::wire::{
     Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM, T_AGG,
-    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK,
 };
 
 pub use crate::bcast::{Path, PathChoice};
@@ -1179,21 +1179,7 @@ impl Collective {
             return Ok(());
         }
         let agg = self.addr_of(agg_rank)?;
-        let h = Header {
-            version: VERSION,
-            msg_type: T_AGG_SYNC,
-            flags: 0,
-            job_id: self.group.job_id,
-            src_rank: self.me.rank,
-            mask_base: 0,
-            dst_mask: 0,
-            msg_seq: 0,
-            frag_off: 0,
-            msg_len: 0,
-            payload_len: 0,
-            agg_op: 0,
-            dtype: 0,
-        };
+        let h = Header::control(T_AGG_SYNC, self.group.job_id, self.me.rank, 0);
         let mut hb = [0u8; HDR_LEN];
         h.encode(&mut hb);
         let t0 = Instant::now();

@@ -301,10 +301,7 @@ fn op_after(a: u32, b: u32) -> bool {
 /// chunks below bound of this one) covers all `nchunks` chunks of `op_id`.
 /// Op ids compare in serial-number order (they wrap at 2^32).
 pub fn ack_covers(ack: Option<(u32, u32)>, op_id: u32, nchunks: u32) -> bool {
-    ack.is_some_and(|(op, bound)| {
-        let d = op.wrapping_sub(op_id) as i32;
-        d > 0 || (d == 0 && bound >= nchunks)
-    })
+    ack.is_some_and(|(op, bound)| op_after(op, op_id) || (op == op_id && bound >= nchunks))
 }
 
 fn slot_hash(op_id: u32) -> usize {
@@ -368,15 +365,10 @@ impl UserAggregator {
     /// operation msg_seq below byte frag_off.  Checked like a contribution
     /// (job, member address); it only ever raises what the rank proved.
     pub fn take_receipt(&mut self, h: &Header, from: SocketAddrV4) {
-        if h.job_id != self.cfg.job_id {
-            self.stats.other_job += 1;
+        if !self.control_from_member(h, from) {
             return;
         }
         let r = usize::from(h.src_rank);
-        if self.members.get(r).copied().flatten() != Some(from) {
-            self.stats.not_member += 1;
-            return;
-        }
         let bound = (h.frag_off as usize).div_ceil(self.cfg.chunk_bytes.max(1)) as u32;
         let new = (h.msg_seq, bound);
         if let Some(slot) = self.receipts.get_mut(r) {
@@ -403,35 +395,30 @@ impl UserAggregator {
     /// Answers a KCCL_T_AGG_SYNC from a member (checked like a receipt)
     /// with the op id of `call`; queued for the next flush.
     pub fn answer_sync(&mut self, h: &Header, from: SocketAddrV4, call: u32) {
-        if h.job_id != self.cfg.job_id {
-            self.stats.other_job += 1;
+        if !self.control_from_member(h, from) {
             return;
         }
-        if self.members.get(usize::from(h.src_rank)).copied().flatten() != Some(from) {
-            self.stats.not_member += 1;
-            return;
-        }
-        let a = Header {
-            version: VERSION,
-            msg_type: T_AGG_SYNC_ACK,
-            flags: 0,
-            job_id: self.cfg.job_id,
-            src_rank: self.cfg.my_rank,
-            mask_base: 0,
-            dst_mask: 0,
-            msg_seq: call.wrapping_mul(4),
-            frag_off: 0,
-            msg_len: 0,
-            payload_len: 0,
-            agg_op: 0,
-            dtype: 0,
-        };
+        let a = Header::control(T_AGG_SYNC_ACK, self.cfg.job_id, self.cfg.my_rank, call.wrapping_mul(4));
         let mut hb = [0u8; HDR_LEN];
         a.encode(&mut hb);
         let start = self.arena.len();
         self.arena.extend_from_slice(&hb);
         self.out.push((from, start, HDR_LEN));
         self.stats.syncs += 1;
+    }
+
+    /// A control packet (RECEIPT, SYNC) of this job from its sender rank's
+    /// own address; anything else is counted and ignored.
+    fn control_from_member(&mut self, h: &Header, from: SocketAddrV4) -> bool {
+        if h.job_id != self.cfg.job_id {
+            self.stats.other_job += 1;
+            return false;
+        }
+        if self.members.get(usize::from(h.src_rank)).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return false;
+        }
+        true
     }
 
     /// What rank `rank` proved with its receipts: None, or (op id, bound).
