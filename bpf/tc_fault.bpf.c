@@ -23,7 +23,12 @@
  *                                 bpf_skb_store_bytes); the original skb is
  *                                 dropped.  So the held packet leaves after a
  *                                 later one: reordering.
- * Every other packet (non-IP, non-UDP, fragments, no kccl magic, GSO) passes
+ * A GSO packet (one UDP_SEGMENT send of several datagrams, cut apart after
+ * this hook) gets one decision for all its datagrams: dropped or duplicated
+ * whole, so its loss comes as a burst; it is never held and never releases
+ * a held packet (a held packet's bytes replayed into a GSO clone would be
+ * segmented by the clone's GSO state).
+ * Every other packet (non-IP, non-UDP, fragments, no kccl magic) passes
  * (TCX_NEXT) untouched and is not counted.  Counters (per CPU, enum kccl_fault_stat):
  * seen, dropped, duplicated, held, released, passed (kccl packets that went
  * out unharmed, including the ones that released a held packet).
@@ -188,8 +193,6 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	if (skb->mark == cfg_release_mark)
 		return replay_held(skb);
 
-	if (skb->gso_size)
-		return TCX_NEXT;
 	l4_off = kccl_skb_l4(skb, &ip, &l4);
 	if (!l4_off)
 		return TCX_NEXT;
@@ -229,7 +232,7 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	}
 	u -= cfg->dup_ppm;
 	len = skb->len;
-	if (u < cfg->reorder_ppm && slot->len == 0 && len >= 14 && len <= KCCL_FAULT_SLOT) {
+	if (u < cfg->reorder_ppm && slot->len == 0 && !skb->gso_size && len >= 14 && len <= KCCL_FAULT_SLOT) {
 		if (bpf_skb_load_bytes(skb, 0, slot->data, SLOT_BOUND(len)))
 			goto pass;
 		slot->len = len;
@@ -238,7 +241,7 @@ int kccl_tc_fault(struct __sk_buff *skb)
 	}
 pass:
 	stat_add(KCCL_FS_PASSED);
-	if (slot->len == 0)
+	if (slot->len == 0 || skb->gso_size)
 		return TCX_NEXT;
 	/* Release after this packet: this one first (as a clone), then the
 	 * held one (a clone rewritten on re-entry), then drop the original. */

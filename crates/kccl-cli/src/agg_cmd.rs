@@ -50,6 +50,10 @@ pub struct CollectiveArgs {
     /// and, on the kernel path, xdp_agg/tc_agg_result) as JSON on stderr.
     #[arg(long)]
     stats: bool,
+    /// Send every chunk as its own datagram (no UDP GSO): with `kccl fault`
+    /// on this host, loss then hits single datagrams, not whole GSO sends.
+    #[arg(long)]
+    no_gso: bool,
 }
 
 #[derive(Args)]
@@ -73,6 +77,7 @@ fn config(a: &CollectiveArgs) -> Result<AggConfig> {
         return Err(Error::Usage(format!("--deadline {}: must be positive seconds", a.deadline)));
     }
     cfg.deadline = Duration::from_secs_f64(a.deadline);
+    cfg.gso = !a.no_gso;
     Ok(cfg)
 }
 
@@ -279,6 +284,9 @@ pub struct BenchAggArgs {
     /// Fast run for CI: small sizes, few iterations.
     #[arg(long)]
     smoke: bool,
+    /// Both paths send every chunk as its own datagram (no UDP GSO).
+    #[arg(long)]
+    no_gso: bool,
 }
 
 pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
@@ -293,8 +301,12 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     let op: AggOp = a.op.parse()?;
     let h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
     // Large vectors: allow for the 2-core machine being slow under load.
-    let cfg = AggConfig { deadline: Duration::from_secs(60), ..AggConfig::default() };
-    println!("== {kind} of int32 vectors, {} senders, kernel vs user path", a.senders);
+    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: !a.no_gso, ..AggConfig::default() };
+    println!(
+        "== {kind} of int32 vectors, {} senders, kernel vs user path{}",
+        a.senders,
+        if a.no_gso { " (no GSO)" } else { "" }
+    );
     let rows: Vec<AggRecord> =
         h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;
     drop(h);

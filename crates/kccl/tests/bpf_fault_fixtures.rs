@@ -86,6 +86,10 @@ struct Step {
     cfg: Option<FaultConfig>,
     input: Vec<u8>,
     mark: u32,
+    /// skb gso_size: nonzero makes the input one GSO send of several
+    /// datagrams (only the decision is tested; such a frame is never
+    /// transmitted by a fixture).
+    gso_size: u32,
     verdict: u32,
     /// Frames captured on fxb, in order.
     captured: Vec<Vec<u8>>,
@@ -103,7 +107,7 @@ fn cfg(loss: u32, dup: u32, reorder: u32) -> FaultConfig {
 }
 
 fn step(input: Vec<u8>, verdict: u32, captured: Vec<Vec<u8>>) -> Step {
-    Step { cfg: None, input, mark: 0, verdict, captured }
+    Step { cfg: None, input, mark: 0, gso_size: 0, verdict, captured }
 }
 
 fn st(seen: u64, dropped: u64, duplicated: u64, held: u64, released: u64, passed: u64) -> FaultStats {
@@ -222,6 +226,33 @@ fn fixtures() -> Vec<Fixture> {
             stats: st(3, 0, 1, 1, 1, 2),
         },
     ];
+    // A GSO send (datagrams cut apart after the hook) is one decision:
+    // dropped whole; never held (its bytes are not one datagram), and it
+    // does not release a held packet (the replayed bytes would inherit the
+    // clone's GSO state).
+    let gso = |s: Step| Step { gso_size: 100, ..s };
+    v.push(Fixture {
+        name: "GSO send under loss 100% is dropped whole",
+        cfg: cfg(ALL, 0, 0),
+        steps: vec![gso(step(kccl(0x61, 300), TC_ACT_SHOT, vec![]))],
+        stats: st(1, 1, 0, 0, 0, 0),
+    });
+    v.push(Fixture {
+        name: "GSO send under reorder 100% passes, not held",
+        cfg: cfg(0, 0, ALL),
+        steps: vec![gso(step(kccl(0x62, 300), TCX_NEXT, vec![]))],
+        stats: st(1, 0, 0, 0, 0, 1),
+    });
+    v.push(Fixture {
+        name: "GSO send does not release a held packet; the next single datagram does",
+        cfg: cfg(0, 0, ALL),
+        steps: vec![
+            step(a.clone(), TC_ACT_SHOT, vec![]),
+            Step { cfg: Some(cfg(0, 0, 0)), ..gso(step(kccl(0x63, 300), TCX_NEXT, vec![])) },
+            step(c.clone(), TC_ACT_SHOT, vec![c.clone(), a.clone()]),
+        ],
+        stats: st(3, 0, 0, 1, 1, 2),
+    });
     // Not-kccl traffic does not release a held packet either.
     v.push(Fixture {
         name: "non-kccl traffic does not release a held packet",
@@ -235,16 +266,17 @@ fn fixtures() -> Vec<Fixture> {
 // ---------------------------------------------------------------------------
 // Harness.
 
-fn ctx_with(ifindex: u32, mark: u32) -> Vec<u8> {
+fn ctx_with(ifindex: u32, mark: u32, gso_size: u32) -> Vec<u8> {
     let mut ctx = vec![0u8; size_of::<__sk_buff>()];
+    ctx[offset_of!(__sk_buff, gso_size)..][..4].copy_from_slice(&gso_size.to_ne_bytes());
     ctx[offset_of!(__sk_buff, ifindex)..][..4].copy_from_slice(&ifindex.to_ne_bytes());
     ctx[offset_of!(__sk_buff, mark)..][..4].copy_from_slice(&mark.to_ne_bytes());
     ctx
 }
 
 /// One BPF_PROG_TEST_RUN: (verdict, output bytes).
-fn test_run(inj: &FaultInjector, input: &[u8], ifindex: u32, mark: u32) -> kccl::Result<(u32, Vec<u8>)> {
-    let mut ctx_in = ctx_with(ifindex, mark);
+fn test_run(inj: &FaultInjector, input: &[u8], ifindex: u32, mark: u32, gso_size: u32) -> kccl::Result<(u32, Vec<u8>)> {
+    let mut ctx_in = ctx_with(ifindex, mark, gso_size);
     let mut data_out = vec![0u8; input.len() + 4096];
     let out = inj
         .skel()
@@ -269,7 +301,7 @@ struct StepResult {
 /// Runs inside the fixture's namespace.
 fn observe(
     cfg: FaultConfig,
-    steps: Vec<(Option<FaultConfig>, Vec<u8>, u32)>,
+    steps: Vec<(Option<FaultConfig>, Vec<u8>, u32, u32)>,
 ) -> kccl::Result<(Vec<StepResult>, FaultStats)> {
     let fxa = netns::ifindex("fxa", None)?;
     let fxb = netns::ifindex("fxb", None)?;
@@ -285,11 +317,11 @@ fn observe(
     }
     let before = inj.stats()?;
     let mut out = Vec::new();
-    for (c, input, mark) in steps {
+    for (c, input, mark, gso_size) in steps {
         if let Some(c) = c {
             inj.set_config(&c)?;
         }
-        let (verdict, output) = test_run(&inj, &input, fxa, mark)?;
+        let (verdict, output) = test_run(&inj, &input, fxa, mark, gso_size)?;
         let captured = cap.drain(Duration::from_millis(100))?;
         out.push(StepResult { verdict, output, captured });
     }
@@ -299,7 +331,7 @@ fn observe(
 fn run_fixture(n: usize, fx: &Fixture) -> Result<(), Vec<String>> {
     let ns = format!("kccl-ffx-{}-{n}", std::process::id());
     let _guard = NetnsGuard::up(ns.clone()).map_err(|e| vec![format!("namespace setup: {e}")])?;
-    let steps: Vec<_> = fx.steps.iter().map(|s| (s.cfg, s.input.clone(), s.mark)).collect();
+    let steps: Vec<_> = fx.steps.iter().map(|s| (s.cfg, s.input.clone(), s.mark, s.gso_size)).collect();
     let cfg = fx.cfg;
     // One CPU for the whole fixture: the hold slot is per CPU.
     let (results, stats) = netns::run_in(Some(&ns), move || {
@@ -381,7 +413,7 @@ fn tc_fault_fixture_table() {
 fn decisions(inj: &FaultInjector, cfg: &FaultConfig, runs: usize) -> kccl::Result<Vec<bool>> {
     inj.set_config(cfg)?;
     let pkt = kccl(0x42, 64);
-    (0..runs).map(|_| test_run(inj, &pkt, 0, 0).map(|(v, _)| v == TC_ACT_SHOT)).collect()
+    (0..runs).map(|_| test_run(inj, &pkt, 0, 0, 0).map(|(v, _)| v == TC_ACT_SHOT)).collect()
 }
 
 #[test]
