@@ -27,7 +27,7 @@ pub struct SuiteArgs {
     /// Do not run Gloo and Open MPI (without this, they must be installed: `make setup-peers`).
     #[arg(long)]
     no_peers: bool,
-    /// param-server's worker counts (default 2,4,6,8,10; --smoke: 2).
+    /// param-server's worker counts (default 2,4 for time; 2,4,6,8,10 is all of table 3; --smoke: 2).
     #[arg(long, value_delimiter = ',')]
     workers: Option<Vec<usize>>,
 }

@@ -149,6 +149,17 @@ fn ulp(x: f32) -> f64 {
     f64::from(f32::from_bits(a.to_bits() + 1) - a)
 }
 
+/// The automatic scale of one block (elements `r`) of the data of
+/// `quantized` ranks with headroom `h` (docs/AGGREGATION.md).
+fn block_scale(quantized: &[u16], r: std::ops::Range<usize>, h: u32) -> f64 {
+    let e = quantized
+        .iter()
+        .flat_map(|&q| r.clone().map(move |i| quant::exponent(rank_value_f32(q, i))))
+        .max()
+        .unwrap_or(quant::E_ZERO);
+    quant::auto_scale(e, h)
+}
+
 /// Checks a float32 SUM against an f64 reference within the bound of
 /// docs/AGGREGATION.md ("Error bound"): per block of `chunk / 4` elements the
 /// scale is `s = 2^(30 - e - h)` (`e`: largest exponent of the quantized
@@ -169,12 +180,7 @@ fn check_f32_sum(kind: Kind, ranks: &[u16], got: &[f32], elems: usize, who: u16,
     let n = ranks.len() as f64;
     for start in (0..elems).step_by(block) {
         let r = start..(start + block).min(elems);
-        let e = quantized
-            .iter()
-            .flat_map(|&q| r.clone().map(move |i| quant::exponent(rank_value_f32(q, i))))
-            .max()
-            .unwrap_or(quant::E_ZERO);
-        let s = quant::auto_scale(e, h);
+        let s = block_scale(quantized, r.clone(), h);
         for i in r {
             let (exact, abs) = ranks.iter().fold((0f64, 0f64), |(x, a), &q| {
                 let v = f64::from(rank_value_f32(q, i));
@@ -838,12 +844,7 @@ mod tests {
         let mut out = Vec::with_capacity(elems);
         for start in (0..elems).step_by(block) {
             let r = start..(start + block).min(elems);
-            let e = ranks
-                .iter()
-                .flat_map(|&q| r.clone().map(move |i| quant::exponent(rank_value_f32(q, i))))
-                .max()
-                .unwrap_or(quant::E_ZERO);
-            let s = quant::auto_scale(e, h);
+            let s = block_scale(ranks, r.clone(), h);
             for i in r {
                 let q: i64 = ranks.iter().map(|&k| quant::quantize(rank_value_f32(k, i), s)).sum();
                 out.push((q as f64 / s) as f32);
