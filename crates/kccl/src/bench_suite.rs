@@ -517,6 +517,16 @@ struct PeerPoint<'a> {
     extra: f64,
 }
 
+/// Runs of each peer point: one in the smoke run (which also takes the
+/// runner's 1 warm-up + 5 timed iterations at most).
+fn peer_runs(spec: &SuiteSpec, runs: usize) -> usize {
+    if spec.smoke {
+        1
+    } else {
+        runs.max(1)
+    }
+}
+
 /// Runs the peers of one point, adding verified results to `acc`; a peer that
 /// fails is recorded in `res.errors` (a failed check is a failure of the suite).
 fn run_peers(
@@ -535,7 +545,7 @@ fn run_peers(
         res.skipped.push(format!("{point}: gloo and mpi not run: {ranks} ranks x {bytes} B: {why}"));
         return;
     }
-    let runs = if spec.smoke { 1 } else { pp.runs.max(1) };
+    let runs = peer_runs(spec, pp.runs);
     for run_i in 0..runs {
         for peer in [Peer::Gloo, Peer::Mpi] {
             let run = || -> std::result::Result<PeerResult, PeerError> {
@@ -695,7 +705,7 @@ fn bcast_plan(smoke: bool) -> BcastPlan {
             repeats: 2,
             peer_receivers: vec![3],
             peer_runs: 1,
-            peer_iters: 200,
+            peer_iters: 5,
         }
     } else {
         BcastPlan {
@@ -751,8 +761,10 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
     ));
     if spec.peers {
         res.notes.push(format!(
-            "peers: {} separate run(s) per point (each starts every rank anew), each up to 20 warm-up + {} timed broadcasts",
-            plan.peer_runs, plan.peer_iters
+            "peers: {} separate run(s) per point (each starts every rank anew), each {} warm-up + {} timed broadcasts",
+            plan.peer_runs,
+            if spec.smoke { 1 } else { 20 },
+            plan.peer_iters
         ));
     }
     let mut acc = Acc::default();
@@ -992,8 +1004,9 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
     res.notes.push(format!(
         "reduce (sum) of int32 vectors: the root (host 0) and {SENDERS} senders contribute; throughput = elements x senders / time \
          (the paper's ops/s); cpu_per_op = aggregator + sender threads (ms); timed operations x repeats per path: <=16 MiB 5x3, \
-         <=128 MiB 3x2, 256 MiB 5x1, 512 MiB 3x1 (column `timed`); peers: {PEER_RUNS} runs per point of up to 10 timed reduces \
-         (4 from 64 MiB)"
+         <=128 MiB 3x2, 256 MiB 5x1, 512 MiB 3x1 (column `timed`); peers: {} run(s) per point of up to 10 timed reduces \
+         (4 from 64 MiB)",
+        peer_runs(spec, PEER_RUNS)
     ));
     let mut acc = Acc::default();
     let name = cluster::unique_name("su-ag");
@@ -1122,8 +1135,9 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
          holding C = float32(reduced matrix) x B (single-threaded i-k-j GEMM, B a fixed N x N matrix), as in the paper's \
          figure 8; median/p99 are those of these per-operation totals; before timing, each path's checked operation compares \
          the reduced matrix element by element and every entry of C with an f64 reference (float32 bound n 2^-24 sum|a b|); \
-         `gemm-only` = the median time of the GEMM inside the timed operations (both paths); peers ({PEER_RUNS} runs): their \
-         timed reduce + that GEMM median, since the peers' scripts do not multiply (not one timed operation)"
+         `gemm-only` = the median time of the GEMM inside the timed operations (both paths); peers ({} run(s)): their \
+         timed reduce + that GEMM median, since the peers' scripts do not multiply (not one timed operation)",
+        peer_runs(spec, PEER_RUNS)
     ));
     let mut acc = Acc::default();
     let name = cluster::unique_name("su-gm");
@@ -1306,14 +1320,14 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
             PS_WORKERS.to_vec()
         }
     };
-    let (iters, peer_runs) = if spec.smoke { (3, 1) } else { (PS_ITERS, PS_PEER_RUNS) };
+    let (iters, ps_runs) = (if spec.smoke { 3 } else { PS_ITERS }, peer_runs(spec, PS_PEER_RUNS));
     res.notes.push(format!(
         "allreduce (sum) of one float32 gradient per worker (element i of worker r = ((i * 2654435761 + r * 40503) mod 2001 - 1000) \
          / 1e5) through kccl's float32 allreduce: quantized at the edge with the automatic per-chunk scale (docs/AGGREGATION.md), \
          quantization, the exponent pre-pass and dequantization inside the timed call; kccl: host 0 is the aggregator service and \
          workers are hosts 1..=W, the peers run W ranks on hosts 0..W-1, float32 too; before timing, each path's checked \
          allreduce is compared on every worker with the f64 sum within the documented quantization bound; 1 checked + {iters} \
-         timed operations per path; peers: {peer_runs} run(s) of 1 warm-up + up to 3 timed{}",
+         timed operations per path; peers: {ps_runs} run(s) of 1 warm-up + up to 3 timed{}",
         if scale > 1 { format!("; SMOKE: every model scaled down {scale}x") } else { String::new() }
     ));
     let mut acc = Acc::default();
@@ -1381,7 +1395,7 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
                         bytes,
                         ranks: w,
                         iters: Some((1, 3)),
-                        runs: peer_runs,
+                        runs: ps_runs,
                         series: m,
                         x: w as f64,
                         point: &point,
