@@ -792,3 +792,59 @@ fn bench_all_runs_a_tiny_subset() {
     }
     assert_clean(test, problems);
 }
+
+/// A result check that fails makes `kccl bench all` exit non-zero and
+/// summary.md mark the failure: the test-only KCCL_BENCH_CORRUPT corrupts one
+/// element of each checked kccl result of one cheap experiment; the same run
+/// without it must pass (so the failure is the corruption's, not the run's).
+#[test]
+fn bench_all_fails_when_a_result_check_fails() {
+    let test = "bench_all_fails_when_a_result_check_fails";
+    if !is_root() {
+        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+        return;
+    }
+    let dir = Scratch::new("suite-corrupt");
+    let mut problems = Vec::new();
+    let args = |out: &Path| -> Vec<String> {
+        ["bench", "all", "--smoke", "--no-peers", "--experiments", "agg-throughput", "--max-bytes", "65536", "--out"]
+            .iter()
+            .map(|a| a.to_string())
+            .chain([s(out).to_string()])
+            .collect()
+    };
+    let run_env = |out: &Path, corrupt: Option<&str>| -> Output {
+        let mut cmd = Command::new(KCCL);
+        cmd.args(args(out)).stdin(Stdio::null()).env_remove("KCCL_BENCH_CORRUPT");
+        if let Some(e) = corrupt {
+            cmd.env("KCCL_BENCH_CORRUPT", e);
+        }
+        cmd.output().expect("running kccl")
+    };
+    let good = dir.path("good");
+    let o = run_env(&good, None);
+    if !o.status.success() {
+        problems.push(format!("without corruption: exit {:?}: {}", o.status.code(), err_of(&o)));
+    }
+    let bad = dir.path("bad");
+    let o = run_env(&bad, Some("agg-throughput"));
+    if o.status.success() || o.status.code() != Some(1) {
+        problems.push(format!("with a corrupted result: exit {:?}, expected 1", o.status.code()));
+    }
+    if !err_of(&o).contains("1 of 1 experiments failed") {
+        problems.push(format!("stderr does not count the failed experiment: {:?}", err_of(&o)));
+    }
+    let summary = fs::read_to_string(bad.join("summary.md")).unwrap_or_default();
+    let failed_line = summary.lines().find(|l| l.starts_with("- **FAILED**: bytes=65536: kccl reduce: reduce check"));
+    if failed_line.is_none() {
+        problems.push(format!("summary.md has no FAILED line for the reduce check: {summary:?}"));
+    }
+    if !summary.contains("Status: **failed**") {
+        problems.push("summary.md does not mark agg-throughput as failed".into());
+    }
+    let json = fs::read_to_string(bad.join("agg-throughput.json")).unwrap_or_default();
+    if !json.contains("\"status\": \"failed\"") {
+        problems.push(format!("agg-throughput.json is not marked failed: {json:.300}"));
+    }
+    assert_clean(test, problems);
+}

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::agg::{AggConfig, AggOp, Aggregator, Collective};
+use crate::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element};
 use crate::bcast::{thread_cpu_time, Path, PathChoice};
 use crate::bench::percentile;
 use crate::cluster::{ClusterGuard, ClusterSpec};
@@ -73,6 +73,9 @@ pub struct AggRecord {
     pub aggregator_cpu_ms: f64,
     /// Mean CPU per operation of one sender thread.
     pub sender_cpu_ms: f64,
+    /// Median time of the root's work on each result inside the timed
+    /// operation (agg-gemm's GEMM); None without such work.
+    pub root_work_p50_ms: Option<f64>,
 }
 
 /// One row of `kccl bench cpu`.
@@ -130,6 +133,115 @@ fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[i32], elems: usize, who: u
     }
     Ok(())
 }
+
+/// Gradient-like float32 data of `rank`: `rank_value / 1e5`, in (-0.01, 0.01)
+/// with the magnitudes of every block spread over two decades.
+pub fn rank_value_f32(rank: u16, i: usize) -> f32 {
+    rank_value(rank, i) as f32 * 1e-5
+}
+
+/// Half an ulp of a float32 is the rounding of the result; this is one ulp.
+fn ulp(x: f32) -> f64 {
+    let a = x.abs();
+    if !a.is_finite() {
+        return f64::INFINITY;
+    }
+    f64::from(f32::from_bits(a.to_bits() + 1) - a)
+}
+
+/// The automatic scale of one block (elements `r`) of the data of
+/// `quantized` ranks with headroom `h` (docs/AGGREGATION.md).
+fn block_scale(quantized: &[u16], r: std::ops::Range<usize>, h: u32) -> f64 {
+    let e = quantized
+        .iter()
+        .flat_map(|&q| r.clone().map(move |i| quant::exponent(rank_value_f32(q, i))))
+        .max()
+        .unwrap_or(quant::E_ZERO);
+    quant::auto_scale(e, h)
+}
+
+/// Checks a float32 SUM against an f64 reference within the bound of
+/// docs/AGGREGATION.md ("Error bound"): per block of `chunk / 4` elements the
+/// scale is `s = 2^(30 - e - h)` (`e`: largest exponent of the quantized
+/// members' block; `h`: headroom, allreduce only), and
+/// `|got - exact| <= q / (2s) + ulp(got) / 2` for `q` quantized
+/// contributions, plus the f64 rounding of the reference.  Reduce: the root
+/// (`ranks[0]`) is not quantized.
+fn check_f32_sum(kind: Kind, ranks: &[u16], got: &[f32], elems: usize, who: u16, chunk: usize) -> Result<()> {
+    if got.len() != elems {
+        return Err(Error::Usage(format!("{kind} check: rank {who} got {} elements, expected {elems}", got.len())));
+    }
+    let quantized: &[u16] = match kind {
+        Kind::Reduce => &ranks[1.min(ranks.len())..],
+        Kind::Allreduce => ranks,
+    };
+    let h = if kind == Kind::Allreduce { quant::headroom(quantized.len()) } else { 0 };
+    let block = (chunk / 4).max(1);
+    let n = ranks.len() as f64;
+    for start in (0..elems).step_by(block) {
+        let r = start..(start + block).min(elems);
+        let s = block_scale(quantized, r.clone(), h);
+        for i in r {
+            let (exact, abs) = ranks.iter().fold((0f64, 0f64), |(x, a), &q| {
+                let v = f64::from(rank_value_f32(q, i));
+                (x + v, a + v.abs())
+            });
+            let tol = quantized.len() as f64 / (2.0 * s) + ulp(got[i]) / 2.0 + abs * n * f64::EPSILON;
+            let err = (f64::from(got[i]) - exact).abs();
+            if err.is_nan() || err > tol {
+                return Err(Error::Usage(format!(
+                    "{kind} check (float32 sum): rank {who} element {i} is {:e}, expected {exact:e} within {tol:.3e} \
+                     (the quantization bound of docs/AGGREGATION.md; ranks {ranks:?})",
+                    got[i]
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Element types of the aggregation benchmarks: each rank's data and the
+/// check of a result against a reference computed from every rank's
+/// generator.
+pub trait BenchElem: Element {
+    fn data(rank: u16, elems: usize) -> Vec<Self>;
+    /// `chunk`: the collective's chunk bytes (float32 scales are per chunk).
+    fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[Self], who: u16, chunk: usize) -> Result<()>;
+    /// Makes one result element wrong (the suite's test of its checks).
+    fn corrupt(v: &mut Self);
+}
+
+impl BenchElem for i32 {
+    fn data(rank: u16, elems: usize) -> Vec<i32> {
+        rank_data(rank, elems)
+    }
+    fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[i32], who: u16, _chunk: usize) -> Result<()> {
+        check(kind, op, ranks, got, got.len(), who)
+    }
+    fn corrupt(v: &mut i32) {
+        *v = v.wrapping_add(1);
+    }
+}
+
+impl BenchElem for f32 {
+    fn data(rank: u16, elems: usize) -> Vec<f32> {
+        (0..elems).map(|i| rank_value_f32(rank, i)).collect()
+    }
+    fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[f32], who: u16, chunk: usize) -> Result<()> {
+        if op != AggOp::Sum {
+            return Err(Error::Usage(format!("float32 {kind} benchmark: only sum is checked, not {op:?}")));
+        }
+        check_f32_sum(kind, ranks, got, got.len(), who, chunk)
+    }
+    fn corrupt(v: &mut f32) {
+        *v += 1.0;
+    }
+}
+
+/// Work the reduce root does on each result inside the timed operation
+/// (agg-gemm multiplies the reduced matrix).  The flag asks it to check its
+/// own output against its reference (the checked, untimed operation).
+pub type RootWork<'a, T> = &'a (dyn Fn(&[T], bool) -> Result<()> + Sync);
 
 /// A barrier that a failing rank can break, so the others return an error
 /// instead of waiting forever for it.
@@ -209,18 +321,21 @@ fn guarded<T>(gate: &Gate, f: impl FnOnce() -> Result<T>) -> Result<T> {
 pub struct AggHarness {
     guard: Option<ClusterGuard>,
     group: Group,
+    /// Test of the result checks: the first checking rank corrupts one
+    /// element of its checked result, so every measurement fails.
+    pub corrupt_results: bool,
 }
 
 impl AggHarness {
     pub fn new(name: &str, senders: usize) -> Result<AggHarness> {
         let guard = ClusterGuard::up(&ClusterSpec::new(name, senders + 1))?;
         let group = guard.cluster.group.clone();
-        Ok(AggHarness { guard: Some(guard), group })
+        Ok(AggHarness { guard: Some(guard), group, corrupt_results: false })
     }
 
     /// An existing group (its rank 0 aggregates), e.g. loopback members.
     pub fn on_group(group: Group) -> AggHarness {
-        AggHarness { guard: None, group }
+        AggHarness { guard: None, group, corrupt_results: false }
     }
 
     pub fn group(&self) -> &Group {
@@ -241,10 +356,28 @@ impl AggHarness {
         iters: usize,
         cfg: &AggConfig,
     ) -> Result<Vec<AggRecord>> {
+        self.measure_with::<i32>(kind, op, senders, paths, sizes, iters, cfg, None)
+    }
+
+    /// [`AggHarness::measure`] for element type `T` (i32, or f32 through the
+    /// quantization of the runtime), with optional `root_work` that a reduce
+    /// root does on each result inside the timed operation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn measure_with<T: BenchElem>(
+        &self,
+        kind: Kind,
+        op: AggOp,
+        senders: usize,
+        paths: &[PathChoice],
+        sizes: &[usize],
+        iters: usize,
+        cfg: &AggConfig,
+        root_work: Option<RootWork<'_, T>>,
+    ) -> Result<Vec<AggRecord>> {
         let mut out = Vec::new();
         for &bytes in sizes {
             for &p in paths {
-                let r = self.run_one(kind, op, senders, p, bytes / 4, iters, cfg)?;
+                let r = self.run_one::<T>(kind, op, senders, p, bytes / 4, iters, cfg, root_work)?;
                 print_agg_row(&r);
                 out.push(r);
             }
@@ -254,7 +387,7 @@ impl AggHarness {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn run_one(
+    fn run_one<T: BenchElem>(
         &self,
         kind: Kind,
         op: AggOp,
@@ -263,7 +396,11 @@ impl AggHarness {
         elems: usize,
         iters: usize,
         cfg: &AggConfig,
+        root_work: Option<RootWork<'_, T>>,
     ) -> Result<AggRecord> {
+        // Only a reduce root does work on its result.
+        let root_work = root_work.filter(|_| kind == Kind::Reduce);
+        let corrupt = self.corrupt_results;
         // Host 0 is the reduce root, or the allreduce aggregator service (a
         // reduce root must not be the group's allreduce aggregator).
         let mut group = self.group.clone();
@@ -284,6 +421,7 @@ impl AggHarness {
         let barrier = Gate::new(runners.len());
         let stop = AtomicBool::new(false);
         let times: Mutex<Vec<(u16, usize, Duration, Duration)>> = Mutex::new(Vec::new());
+        let work_times: Mutex<Vec<f64>> = Mutex::new(Vec::new());
         let path_used: Mutex<Option<Path>> = Mutex::new(None);
         let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
         // Calls the other ranks finished: a reduce root keeps answering
@@ -330,8 +468,8 @@ impl AggHarness {
             };
             let mut handles = Vec::new();
             for &rank in &runners {
-                let (sub, barrier, times, path_used, contributors, finished) =
-                    (&sub, &barrier, &times, &path_used, &contributors, &finished);
+                let (sub, barrier, times, work_times, path_used, contributors, finished) =
+                    (&sub, &barrier, &times, &work_times, &path_used, &contributors, &finished);
                 handles.push(s.spawn(move || -> Result<()> {
                     guarded(barrier, || {
                         enter_host(sub, rank)?;
@@ -339,15 +477,23 @@ impl AggHarness {
                         if rank == contributors[0] {
                             *path_used.lock().map_err(|_| poisoned())? = Some(c.path());
                         }
-                        let data = rank_data(rank, elems);
+                        let chunk = c.chunk_bytes();
+                        let data = T::data(rank, elems);
                         for it in 0..=iters {
                             barrier.wait()?;
                             let c0 = thread_cpu_time();
                             let t0 = Instant::now();
-                            let res = match kind {
+                            let mut res = match kind {
                                 Kind::Reduce => c.reduce(&data, op, agg_rank)?,
                                 Kind::Allreduce => Some(c.allreduce(&data, op)?),
                             };
+                            // The root's work is part of the timed operation
+                            // (not of the checked one: it runs after the check).
+                            if let (Some(w), Some(r), true) = (root_work, &res, it > 0) {
+                                let tw = Instant::now();
+                                w(r, false)?;
+                                work_times.lock().map_err(|_| poisoned())?.push(tw.elapsed().as_secs_f64() * 1e3);
+                            }
                             let dt = t0.elapsed();
                             let cpu = thread_cpu_time() - c0;
                             if kind == Kind::Reduce && rank == agg_rank {
@@ -357,8 +503,16 @@ impl AggHarness {
                             }
                             if it == 0 {
                                 // The checked, untimed operation.
-                                if let Some(r) = &res {
-                                    check(kind, op, contributors, r, elems, rank)?;
+                                if let Some(r) = &mut res {
+                                    if corrupt && rank == contributors[0] {
+                                        if let Some(v) = r.first_mut() {
+                                            T::corrupt(v);
+                                        }
+                                    }
+                                    T::check(kind, op, contributors, r, rank, chunk)?;
+                                    if let Some(w) = root_work {
+                                        w(r, true)?;
+                                    }
                                 }
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
@@ -414,7 +568,7 @@ impl AggHarness {
             kind,
             path,
             op: op.to_string().to_lowercase(),
-            dtype: "i32",
+            dtype: T::NAME,
             senders,
             bytes: elems * 4,
             elems,
@@ -424,6 +578,11 @@ impl AggHarness {
             p99_ms: percentile(&per_iter, 99.0) * 1e3,
             aggregator_cpu_ms: agg_cpu.as_secs_f64() * 1e3 / n,
             sender_cpu_ms: sender_cpu.as_secs_f64() * 1e3 / n / senders.max(1) as f64,
+            root_work_p50_ms: {
+                let mut w = work_times.into_inner().map_err(|_| poisoned())?;
+                w.sort_by(f64::total_cmp);
+                (!w.is_empty()).then(|| percentile(&w, 50.0))
+            },
         })
     }
 }
@@ -671,4 +830,53 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the runtime's automatic quantization gives for an allreduce SUM
+    /// of `ranks` (docs/AGGREGATION.md), computed without the network.
+    fn quantized_sum(ranks: &[u16], elems: usize, chunk: usize) -> Vec<f32> {
+        let block = chunk / 4;
+        let h = quant::headroom(ranks.len());
+        let mut out = Vec::with_capacity(elems);
+        for start in (0..elems).step_by(block) {
+            let r = start..(start + block).min(elems);
+            let s = block_scale(ranks, r.clone(), h);
+            for i in r {
+                let q: i64 = ranks.iter().map(|&k| quant::quantize(rank_value_f32(k, i), s)).sum();
+                out.push((q as f64 / s) as f32);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn f32_check_accepts_the_quantized_sum_and_refuses_more_error() {
+        let (ranks, elems, chunk) = ([1u16, 2, 3, 4], 5000, 1432);
+        let mut got = quantized_sum(&ranks, elems, chunk);
+        check_f32_sum(Kind::Allreduce, &ranks, &got, elems, 1, chunk).expect("within the bound");
+        <f32 as BenchElem>::check(Kind::Allreduce, AggOp::Sum, &ranks, &got, 1, chunk).expect("via the trait");
+        // An element off by 1e-6 (~0.1 ulp-scale of 0.04, but 1000x the
+        // quantization bound of ~4 * 2^-31 * 2^-6): refused.
+        got[4321] += 1e-6;
+        let err = check_f32_sum(Kind::Allreduce, &ranks, &got, elems, 1, chunk).expect_err("outside the bound");
+        assert!(err.to_string().contains("element 4321"), "{err}");
+        // The corruption the suite's test uses is caught too.
+        let mut bad = quantized_sum(&ranks, elems, chunk);
+        <f32 as BenchElem>::corrupt(&mut bad[0]);
+        assert!(check_f32_sum(Kind::Allreduce, &ranks, &bad, elems, 1, chunk).is_err());
+        assert!(check_f32_sum(Kind::Allreduce, &ranks, &bad[..10], elems, 1, chunk).is_err());
+    }
+
+    #[test]
+    fn i32_check_refuses_the_corrupted_result() {
+        let ranks = [0u16, 1, 2];
+        let mut got: Vec<i32> = (0..100).map(|i| reference(AggOp::Sum, &ranks, i)).collect();
+        <i32 as BenchElem>::check(Kind::Reduce, AggOp::Sum, &ranks, &got, 0, 1432).expect("exact");
+        <i32 as BenchElem>::corrupt(&mut got[0]);
+        assert!(<i32 as BenchElem>::check(Kind::Reduce, AggOp::Sum, &ranks, &got, 0, 1432).is_err());
+    }
 }
