@@ -50,10 +50,11 @@ pub struct CollectiveArgs {
     /// and, on the kernel path, xdp_agg/tc_agg_result) as JSON on stderr.
     #[arg(long)]
     stats: bool,
-    /// Send every chunk as its own datagram (no UDP GSO): with `kccl fault`
-    /// on this host, loss then hits single datagrams, not whole GSO sends.
+    /// Send runs of up to 16 chunks as one UDP GSO message (experimental:
+    /// cheaper senders, but a collapse under load was seen; docs/AGGREGATION.md).
+    /// With `kccl fault` on this host, loss then hits whole GSO sends.
     #[arg(long)]
-    no_gso: bool,
+    gso: bool,
 }
 
 #[derive(Args)]
@@ -77,7 +78,7 @@ fn config(a: &CollectiveArgs) -> Result<AggConfig> {
         return Err(Error::Usage(format!("--deadline {}: must be positive seconds", a.deadline)));
     }
     cfg.deadline = Duration::from_secs_f64(a.deadline);
-    cfg.gso = !a.no_gso;
+    cfg.gso = a.gso;
     Ok(cfg)
 }
 
@@ -284,9 +285,9 @@ pub struct BenchAggArgs {
     /// Fast run for CI: small sizes, few iterations.
     #[arg(long)]
     smoke: bool,
-    /// Both paths send every chunk as its own datagram (no UDP GSO).
+    /// Both paths send runs of chunks as UDP GSO messages (experimental).
     #[arg(long)]
-    no_gso: bool,
+    gso: bool,
 }
 
 pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
@@ -301,11 +302,11 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     let op: AggOp = a.op.parse()?;
     let h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
     // Large vectors: allow for the 2-core machine being slow under load.
-    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: !a.no_gso, ..AggConfig::default() };
+    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: a.gso, ..AggConfig::default() };
     println!(
         "== {kind} of int32 vectors, {} senders, kernel vs user path{}",
         a.senders,
-        if a.no_gso { " (no GSO)" } else { "" }
+        if a.gso { " (UDP GSO)" } else { "" }
     );
     let rows: Vec<AggRecord> =
         h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;

@@ -161,9 +161,9 @@ pub fn run(spec: &LossSpec) -> Result<Vec<LossRecord>> {
 
 fn reduce_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
     let h = AggHarness::new(&cluster::unique_name("bloss"), spec.senders)?;
-    // Single datagrams per send: the injector sees a GSO send as one packet
-    // and would drop all its datagrams together, while a real link loses
-    // frames one at a time (the faults topology tests cover GSO bursts).
+    // Single datagrams per send (also the default): the injector sees a GSO
+    // send as one packet and would drop all its datagrams together, while a
+    // real link loses frames one at a time.
     let cfg = AggConfig { deadline: Duration::from_secs(60), gso: false, ..AggConfig::default() };
     let mut rows = Vec::new();
     for &loss in &spec.losses {

@@ -163,7 +163,10 @@ fn scenarios(seed: u64, agg_rank: u16) -> Vec<(String, Option<u16>, FaultConfig)
 /// scenarios); allreduce through rank 3, or reduce to rank 2.
 fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
     let seed = 0x5eed_0000 + u64::from(reduce) * 7 + if path == PathChoice::User { 1 } else { 0 };
-    println!("seed {seed:#x} (path {path:?}, {})", if reduce { "reduce to rank 2" } else { "allreduce via rank 3" });
+    println!(
+        "seed {seed:#x} (path {path:?}, {})",
+        if reduce { "reduce to rank 2, single datagrams" } else { "allreduce via rank 3, UDP GSO sends" }
+    );
     let topo = Topo::up(prefix);
     let (group, members, agg_rank): (Group, Vec<u16>, u16) = if reduce {
         (topo.group(REDUCE_JOB, &[0, 1, 2], None), vec![0, 1, 2], 2)
@@ -181,7 +184,10 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
         .map(|&rank| {
             let (g, b) = (group.clone(), Arc::clone(&barrier));
             on_host(topo.ns(rank), move || {
-                let mut c = Collective::new(&g, rank, path, cfg()).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                // The allreduce runs send with UDP GSO (opt-in): the
+                // injector then drops whole GSO sends, bursts of chunks.
+                let c_cfg = AggConfig { gso: !reduce, ..cfg() };
+                let mut c = Collective::new(&g, rank, path, c_cfg).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 let mut got = Vec::new();
                 for k in 0..n {
                     b.wait();

@@ -230,6 +230,7 @@ pub struct AggConfig {
     pub slot_timeout: Duration,
     /// Send runs of chunks to one address as UDP GSO messages (one stack
     /// traversal per run instead of per datagram; the wire is unchanged).
+    /// Off by default: experimental (docs/AGGREGATION.md, "UDP GSO").
     pub gso: bool,
 }
 
@@ -243,7 +244,7 @@ impl Default for AggConfig {
             quant: Quant::Auto,
             nslots: 1024,
             slot_timeout: Duration::from_secs(2),
-            gso: true,
+            gso: false,
         }
     }
 }
