@@ -65,7 +65,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         println!("== latency: {} broadcasts of one 1472-byte packet to {receivers} receivers per path", a.iters);
         h.measure(b, &paths, receivers, kccl::wire::MAX_UDP_PAYLOAD_1500, a.iters)
     })?;
-    crate::print_rows(&rows);
+    kccl::bench::print_rows(&rows);
     drop(h);
     if is_root() {
         println!("== cluster torn down");

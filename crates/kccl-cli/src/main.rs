@@ -461,7 +461,7 @@ fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
         for &size in &a.sizes {
             for &n in &a.receivers {
                 let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, a.iters)?;
-                print_rows(&rows);
+                kccl::bench::print_rows(&rows);
                 all.extend(rows);
             }
         }
@@ -475,36 +475,4 @@ fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
         a.plot.as_ref().map(|p| format!(" and {}", p.display())).unwrap_or_default()
     );
     Ok(())
-}
-
-pub fn print_rows(rows: &[BcastRecord]) {
-    let k = rows.iter().find(|r| r.path == Path::Kernel);
-    let u = rows.iter().find(|r| r.path == Path::User);
-    for r in rows {
-        println!(
-            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | confirmed p50={:>7.1}us re-sent={:.2} lost={}",
-            r.path.to_string(),
-            r.receivers,
-            r.size,
-            r.p50_us,
-            r.p99_us,
-            r.app_p50_us,
-            r.app_p99_us,
-            r.sender_cpu_us,
-            r.total_cpu_us,
-            r.confirm_p50_us,
-            r.retransmitted_per_op,
-            r.lost
-        );
-    }
-    if let (Some(k), Some(u)) = (k, u) {
-        println!(
-            "  ratio kernel/user: held p50 {:.2}x p99 {:.2}x | app p50 {:.2}x p99 {:.2}x | sender cpu {:.2}x",
-            k.p50_us / u.p50_us,
-            k.p99_us / u.p99_us,
-            k.app_p50_us / u.app_p50_us,
-            k.app_p99_us / u.app_p99_us,
-            k.sender_cpu_us / u.sender_cpu_us
-        );
-    }
 }

@@ -382,6 +382,39 @@ fn spawn_receiver(
         .map_err(|e| Error::io("spawning a receiver thread", e))
 }
 
+/// Prints broadcast rows of one point and, with both paths, their ratios.
+pub fn print_rows(rows: &[BcastRecord]) {
+    let k = rows.iter().find(|r| r.path == Path::Kernel);
+    let u = rows.iter().find(|r| r.path == Path::User);
+    for r in rows {
+        println!(
+            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | confirmed p50={:>7.1}us re-sent={:.2} lost={}",
+            r.path.to_string(),
+            r.receivers,
+            r.size,
+            r.p50_us,
+            r.p99_us,
+            r.app_p50_us,
+            r.app_p99_us,
+            r.sender_cpu_us,
+            r.total_cpu_us,
+            r.confirm_p50_us,
+            r.retransmitted_per_op,
+            r.lost
+        );
+    }
+    if let (Some(k), Some(u)) = (k, u) {
+        println!(
+            "  ratio kernel/user: held p50 {:.2}x p99 {:.2}x | app p50 {:.2}x p99 {:.2}x | sender cpu {:.2}x",
+            k.p50_us / u.p50_us,
+            k.p99_us / u.p99_us,
+            k.app_p50_us / u.app_p50_us,
+            k.app_p99_us / u.app_p99_us,
+            k.sender_cpu_us / u.sender_cpu_us
+        );
+    }
+}
+
 /// The `p`-th percentile of ascending `sorted`, interpolated linearly
 /// between the two closest ranks (numpy's default): the median of an even
 /// count is the mean of the middle two, not the upper one (with the few

@@ -527,6 +527,25 @@ fn peer_runs(spec: &SuiteSpec, runs: usize) -> usize {
     }
 }
 
+/// The peers' reduce of `bytes` per rank by SENDERS senders to host 0, as
+/// agg-throughput and agg-gemm time it (`extra`: agg-gemm's GEMM, in ms).
+fn reduce_peer_point<'a>(bytes: usize, iters: (usize, usize), x: f64, point: &'a str, extra: f64) -> PeerPoint<'a> {
+    PeerPoint {
+        op: PeerOp::Reduce,
+        dtype: DType::Int32,
+        bytes,
+        ranks: SENDERS + 1,
+        iters: Some(iters),
+        runs: PEER_RUNS,
+        series: "",
+        x,
+        point,
+        to_unit: 1e-3,
+        senders: SENDERS,
+        extra,
+    }
+}
+
 /// Runs the peers of one point, adding verified results to `acc`; a peer that
 /// fails is recorded in `res.errors` (a failed check is a failure of the suite).
 fn run_peers(
@@ -783,18 +802,8 @@ fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experim
             for &(n, size) in &points {
                 prog.say(format!("repeat {}/{}: receivers={n} size={size}", rep + 1, plan.repeats));
                 let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, plan.iters)?;
-                for r in rows {
-                    println!(
-                        "    {:<6} app p50={:>8.1}us p99={:>8.1}us (held p50={:.1}us) sender cpu={:.1}us lost={}",
-                        r.path.to_string(),
-                        r.app_p50_us,
-                        r.app_p99_us,
-                        r.p50_us,
-                        r.sender_cpu_us,
-                        r.lost
-                    );
-                    out.push((rep, r));
-                }
+                crate::bench::print_rows(&rows);
+                out.extend(rows.into_iter().map(|r| (rep, r)));
             }
         }
         Ok(out)
@@ -977,12 +986,41 @@ fn kccl_reduce_repeats(
     out
 }
 
-/// An aggregation harness for experiment `e`, with the suite's test of its
-/// result checks (`KCCL_BENCH_CORRUPT=e`) switched on if asked.
-fn agg_harness(spec: &SuiteSpec, e: Experiment, name: &str, senders: usize) -> Result<AggHarness> {
-    let mut h = AggHarness::new(name, senders)?;
-    h.corrupt_results = spec.corrupt == Some(e);
-    Ok(h)
+/// An aggregation cluster of one experiment: kccl's harness and the same
+/// hosts as a cluster description for the peers.
+struct AggCluster {
+    name: String,
+    h: AggHarness,
+    peers: Result<cluster::Cluster>,
+}
+
+impl AggCluster {
+    /// Builds a cluster named `prefix`-unique with `senders` + 1 hosts for
+    /// experiment `e` (the suite's test of its result checks,
+    /// `KCCL_BENCH_CORRUPT=e`, switched on if asked).
+    fn up(spec: &SuiteSpec, e: Experiment, prefix: &str, senders: usize, prog: &Progress, what: &str) -> Result<Self> {
+        let name = cluster::unique_name(prefix);
+        prog.say(format!("cluster {name}: {} hosts{what}", senders + 1));
+        let mut h = AggHarness::new(&name, senders)?;
+        h.corrupt_results = spec.corrupt == Some(e);
+        let peers = cluster::load(&name);
+        Ok(AggCluster { name, h, peers })
+    }
+
+    /// [`run_peers`] on this cluster's hosts.
+    fn run_peers(
+        &self,
+        spec: &SuiteSpec,
+        res: &mut ExperimentResult,
+        acc: &mut Acc,
+        prog: &Progress,
+        pp: &PeerPoint<'_>,
+    ) {
+        match &self.peers {
+            Ok(cl) => run_peers(spec, res, acc, prog, cl, pp),
+            Err(err) => res.errors.push(format!("loading cluster {} for the peers: {err}", self.name)),
+        }
+    }
 }
 
 fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
@@ -1009,16 +1047,13 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
         peer_runs(spec, PEER_RUNS)
     ));
     let mut acc = Acc::default();
-    let name = cluster::unique_name("su-ag");
-    prog.say(format!("cluster {name}: {} hosts", SENDERS + 1));
-    let h = match agg_harness(spec, e, &name, SENDERS) {
-        Ok(h) => h,
+    let c = match AggCluster::up(spec, e, "su-ag", SENDERS, prog, "") {
+        Ok(c) => c,
         Err(err) => {
             res.errors.push(format!("building the cluster: {err}"));
             return res;
         }
     };
-    let cl = cluster::load(&name);
     for &bytes in &sizes {
         let point = format!("bytes={bytes}");
         if bytes > spec.max_bytes {
@@ -1029,33 +1064,11 @@ fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentRes
             res.skipped.push(format!("{point}: {} ranks x {bytes} B in this process: {why}", SENDERS + 1));
             continue;
         }
-        kccl_reduce_repeats(spec, &h, &mut res, &mut acc, prog, &point, bytes as f64, bytes, None);
-        match &cl {
-            Ok(cl) => run_peers(
-                spec,
-                &mut res,
-                &mut acc,
-                prog,
-                cl,
-                &PeerPoint {
-                    op: PeerOp::Reduce,
-                    dtype: DType::Int32,
-                    bytes,
-                    ranks: SENDERS + 1,
-                    iters: Some(peer_reduce_iters(bytes)),
-                    runs: PEER_RUNS,
-                    series: "",
-                    x: bytes as f64,
-                    point: &point,
-                    to_unit: 1e-3,
-                    senders: SENDERS,
-                    extra: 0.0,
-                },
-            ),
-            Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
-        }
+        kccl_reduce_repeats(spec, &c.h, &mut res, &mut acc, prog, &point, bytes as f64, bytes, None);
+        let pp = reduce_peer_point(bytes, peer_reduce_iters(bytes), bytes as f64, &point, 0.0);
+        c.run_peers(spec, &mut res, &mut acc, prog, &pp);
     }
-    drop(h);
+    drop(c);
     res.rows = acc.rows();
     res
 }
@@ -1140,16 +1153,13 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
         peer_runs(spec, PEER_RUNS)
     ));
     let mut acc = Acc::default();
-    let name = cluster::unique_name("su-gm");
-    prog.say(format!("cluster {name}: {} hosts", SENDERS + 1));
-    let h = match agg_harness(spec, e, &name, SENDERS) {
-        Ok(h) => h,
+    let c = match AggCluster::up(spec, e, "su-gm", SENDERS, prog, "") {
+        Ok(c) => c,
         Err(err) => {
             res.errors.push(format!("building the cluster: {err}"));
             return res;
         }
     };
-    let cl = cluster::load(&name);
     let contributors: Vec<u16> = (0..=SENDERS as u16).collect();
     for &n in &ns {
         let point = format!("N={n}");
@@ -1172,7 +1182,7 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
             std::hint::black_box(&c);
             Ok(())
         };
-        let recs = kccl_reduce_repeats(spec, &h, &mut res, &mut acc, prog, &point, n as f64, bytes, Some(&work));
+        let recs = kccl_reduce_repeats(spec, &c.h, &mut res, &mut acc, prog, &point, n as f64, bytes, Some(&work));
         let mut g: Vec<f64> = recs.iter().filter_map(|r| r.root_work_p50_ms).collect();
         g.sort_by(f64::total_cmp);
         if g.is_empty() {
@@ -1183,32 +1193,10 @@ fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
         let mut gs = Sample::new(g50, f64::NAN);
         gs.iters = recs.iter().map(|r| r.iters).sum();
         acc.add("", n as f64, &point, "gemm-only", gs);
-        match &cl {
-            Ok(cl) => run_peers(
-                spec,
-                &mut res,
-                &mut acc,
-                prog,
-                cl,
-                &PeerPoint {
-                    op: PeerOp::Reduce,
-                    dtype: DType::Int32,
-                    bytes,
-                    ranks: SENDERS + 1,
-                    iters: Some((3, 20)),
-                    runs: PEER_RUNS,
-                    series: "",
-                    x: n as f64,
-                    point: &point,
-                    to_unit: 1e-3,
-                    senders: SENDERS,
-                    extra: g50,
-                },
-            ),
-            Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
-        }
+        let pp = reduce_peer_point(bytes, (3, 20), n as f64, &point, g50);
+        c.run_peers(spec, &mut res, &mut acc, prog, &pp);
     }
-    drop(h);
+    drop(c);
     res.rows = acc.rows();
     res
 }
@@ -1351,20 +1339,17 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
         if models.is_empty() {
             continue;
         }
-        let name = cluster::unique_name("su-ps");
-        prog.say(format!("cluster {name}: {} hosts (aggregator + {w} workers)", w + 1));
-        let h = match agg_harness(spec, e, &name, w) {
-            Ok(h) => h,
+        let c = match AggCluster::up(spec, e, "su-ps", w, prog, &format!(" (aggregator + {w} workers)")) {
+            Ok(c) => c,
             Err(err) => {
                 res.errors.push(format!("workers={w}: building the cluster: {err}"));
                 continue;
             }
         };
-        let cl = cluster::load(&name);
         for (m, bytes) in models {
             let point = format!("{m} workers={w}");
             prog.say(format!("{point}: float32 allreduce of {bytes} B, both paths, {iters} timed each"));
-            match h.measure_with::<f32>(
+            match c.h.measure_with::<f32>(
                 Kind::Allreduce,
                 AggOp::Sum,
                 w,
@@ -1382,32 +1367,23 @@ fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResul
                 }
                 Err(err) => res.errors.push(format!("{point}: kccl allreduce: {err}")),
             }
-            match &cl {
-                Ok(cl) => run_peers(
-                    spec,
-                    &mut res,
-                    &mut acc,
-                    prog,
-                    cl,
-                    &PeerPoint {
-                        op: PeerOp::Allreduce,
-                        dtype: DType::Float32,
-                        bytes,
-                        ranks: w,
-                        iters: Some((1, 3)),
-                        runs: ps_runs,
-                        series: m,
-                        x: w as f64,
-                        point: &point,
-                        to_unit: 1e-3,
-                        senders: w,
-                        extra: 0.0,
-                    },
-                ),
-                Err(err) => res.errors.push(format!("loading cluster {name} for the peers: {err}")),
-            }
+            let pp = PeerPoint {
+                op: PeerOp::Allreduce,
+                dtype: DType::Float32,
+                bytes,
+                ranks: w,
+                iters: Some((1, 3)),
+                runs: ps_runs,
+                series: m,
+                x: w as f64,
+                point: &point,
+                to_unit: 1e-3,
+                senders: w,
+                extra: 0.0,
+            };
+            c.run_peers(spec, &mut res, &mut acc, prog, &pp);
         }
-        drop(h);
+        drop(c);
     }
     res.rows = acc.rows();
     res
