@@ -1,7 +1,8 @@
-//! Test support shared by the BPF fixture tables (bpf_*_fixtures.rs):
-//! Internet checksums for building expected frames, a private network
-//! namespace with a veth pair (fxa/fxb) that is removed on drop, and an
-//! AF_PACKET capture of what a program sent out of an interface.
+//! Test support shared by every test crate of the workspace (the one place
+//! for it; other crates include this file with `#[path]`): the root gate,
+//! deterministic payloads, Internet checksums for building expected frames, a
+//! private network namespace with a veth pair (fxa/fxb) that is removed on
+//! drop, and an AF_PACKET capture of what a program sent out of an interface.
 #![allow(dead_code)] // each test crate uses its own subset
 
 use std::mem::size_of;
@@ -11,6 +12,35 @@ use std::process::Command;
 use std::time::Duration;
 
 use kccl::netns;
+
+/// Whether a test that needs root may run. Without root it prints a visible
+/// `SKIPPED <test>: needs root (<why>)` line and returns false, so the test
+/// returns early. With `KCCL_REQUIRE_ROOT=1` (set by .ci/run, which runs as
+/// root) a missing root is a failure, never a silent pass.
+pub fn root_or_skip(test: &str, why: &str) -> bool {
+    if kccl::error::is_root() {
+        return true;
+    }
+    if std::env::var("KCCL_REQUIRE_ROOT").is_ok_and(|v| v == "1") {
+        panic!("{test} needs root ({why}) and KCCL_REQUIRE_ROOT=1 forbids skipping it");
+    }
+    println!("SKIPPED {test}: needs root ({why})");
+    false
+}
+
+/// `len` deterministic bytes; different salts give different bytes, so a
+/// receiver that got the wrong message (or bytes of another) is caught.
+pub fn pattern(len: usize, salt: u64) -> Vec<u8> {
+    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
 
 pub fn csum_add(mut sum: u32, bytes: &[u8]) -> u32 {
     let mut chunks = bytes.chunks_exact(2);
