@@ -22,7 +22,7 @@ demo: build
 	$(SUDO) $(KCCL) demo
 
 # Every test tier: unit, BPF_PROG_TEST_RUN fixtures, namespace topologies, CLI errors, bench smoke.
-test: build lint
+test: build setup-peers lint
 	$(CARGO) build --release --workspace --tests
 	$(SUDO) env "PATH=$(PATH)" $(CARGO) test --release --workspace -- --test-threads=1
 	$(MAKE) bench-smoke

@@ -5,27 +5,9 @@
 # Idempotent and quiet: checks first, installs only what is missing.
 set -euo pipefail
 
-pkgs=(python3-torch python3-mpi4py openmpi-bin python3-numpy)
-pkg_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-
-need=()
-for p in "${pkgs[@]}"; do
-  pkg_installed "$p" || need+=("$p")
-done
-
-if [ ${#need[@]} -gt 0 ]; then
-  echo "setup-peers: installing ${need[*]} (took 34 s and 570 MB on a fresh Debian 12)"
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ]; then
-    if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
-      echo "setup-peers: need root to install: apt-get install ${need[*]}" >&2
-      exit 1
-    fi
-  fi
-  $SUDO apt-get update -qq
-  # Recommends are left out: python3-torch recommends build tooling the peers do not use.
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+. "$(dirname "$0")/apt-lib.sh"
+apt_install_missing setup-peers "took 34 s and 570 MB on a fresh Debian 12" \
+  python3-torch python3-mpi4py openmpi-bin python3-numpy
 
 # Check that what the peers import works under the interpreter they run with
 # (mpi4py.MPI is only located: importing it would initialize MPI).
