@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the peers kccl's benchmarks compare with: Gloo (Debian's python3-torch, through
 # torch.distributed) and Open MPI 4.1 with mpi4py. They install into /usr/bin/python3 (pyenv's
-# python3 on PATH does not see them), which is what bench/peers/*.py run under.
+# python3 on PATH does not see them), which is what crates/kccl-testbed/py/peers/*.py run under.
 # Idempotent and quiet: checks first, installs only what is missing.
 set -euo pipefail
 

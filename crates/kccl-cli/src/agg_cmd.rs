@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kccl::agg::{AggConfig, AggOp, Collective, Element, Quant};
 use kccl::bcast::{Path, PathChoice};
-use kccl::bench::{fnv1a, write_outputs};
-use kccl::bench_agg::{measure_cpu, AggHarness, AggRecord, CpuRecord, Kind};
-use kccl::cluster;
 use kccl::{Error, Result};
+use kccl_testbed::bench::agg::{measure_cpu, AggHarness, AggRecord, CpuRecord, Kind};
+use kccl_testbed::bench::{fnv1a, write_outputs};
+use kccl_testbed::cluster;
 
 use crate::{member_setup, MemberArgs};
 

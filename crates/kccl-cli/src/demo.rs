@@ -10,12 +10,12 @@ use std::time::Duration;
 use clap::Args;
 use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
-use kccl::bench::{BcastHarness, BcastRecord};
-use kccl::bench_agg::{AggHarness, Kind};
-use kccl::cluster;
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
 use kccl::Result;
+use kccl_testbed::bench::agg::{AggHarness, Kind};
+use kccl_testbed::bench::{BcastHarness, BcastRecord};
+use kccl_testbed::cluster;
 
 #[derive(Args)]
 pub struct DemoArgs {
@@ -65,7 +65,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         println!("== latency: {} broadcasts of one 1472-byte packet to {receivers} receivers per path", a.iters);
         h.measure(b, &paths, receivers, kccl::wire::MAX_UDP_PAYLOAD_1500, a.iters)
     })?;
-    kccl::bench::print_rows(&rows);
+    kccl_testbed::bench::print_rows(&rows);
     drop(h);
     if is_root() {
         println!("== cluster torn down");

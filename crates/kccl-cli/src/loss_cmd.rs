@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 use kccl::bcast::Path;
-use kccl::bench::write_outputs;
-use kccl::bench_loss::{self, LossRecord, LossSpec};
 use kccl::Result;
+use kccl_testbed::bench::loss::{self as bench_loss, LossRecord, LossSpec};
+use kccl_testbed::bench::write_outputs;
 
 #[derive(Args)]
 pub struct BenchLossArgs {

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use kccl::agg::{AggConfig, Aggregator};
 use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver, Reliability};
-use kccl::bench::{write_outputs, BcastHarness, BcastRecord};
-use kccl::bench_agg::Kind;
-use kccl::cluster::{self, ClusterSpec};
 use kccl::group::{parse_ranks, Group};
 use kccl::{netns, Error, Result};
+use kccl_testbed::bench::agg::Kind;
+use kccl_testbed::bench::{write_outputs, BcastHarness, BcastRecord};
+use kccl_testbed::cluster::{self, ClusterSpec};
 
 mod agg_cmd;
 mod demo;
@@ -461,7 +461,7 @@ fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
         for &size in &a.sizes {
             for &n in &a.receivers {
                 let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, a.iters)?;
-                kccl::bench::print_rows(&rows);
+                kccl_testbed::bench::print_rows(&rows);
                 all.extend(rows);
             }
         }

@@ -1,13 +1,13 @@
 //! `kccl bench peers`: one peer (Gloo or Open MPI) doing one collective on a
-//! virtual cluster, checked and timed by kccl::bench_peers.
+//! virtual cluster, checked and timed by kccl_testbed::peers.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use kccl::bench_peers::{self, DType, Peer, PeerError, PeerOp, PeerSpec};
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
 use kccl::{Error, Result};
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+use kccl_testbed::peers::{self as bench_peers, DType, Peer, PeerError, PeerOp, PeerSpec};
 
 #[derive(Args)]
 pub struct PeersArgs {

@@ -1,13 +1,13 @@
-//! `kccl bench all`: the benchmark suite (kccl::bench_suite), with its
+//! `kccl bench all`: the benchmark suite (kccl_testbed::suite), with its
 //! arguments checked before anything is built.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use kccl::bench_suite::{self, SuiteSpec};
 use kccl::error::is_root;
 use kccl::{Error, Result};
+use kccl_testbed::suite::{self as bench_suite, SuiteSpec};
 
 #[derive(Args)]
 pub struct SuiteArgs {

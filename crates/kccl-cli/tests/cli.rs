@@ -26,6 +26,10 @@ use std::time::{Duration, Instant};
 
 use kccl::error::is_root;
 
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::{pattern, root_or_skip};
+
 const KCCL: &str = env!("CARGO_BIN_EXE_kccl");
 
 /// A temporary directory that user `nobody` can read (0755, files 0644),
@@ -101,19 +105,6 @@ fn loopback_group(ports: &[u16], iface: &str) -> String {
         t += &format!("\n[[member]]\nrank = {rank}\naddr = \"127.0.0.1\"\nport = {port}\niface = \"{iface}\"\n");
     }
     t
-}
-
-/// `len` deterministic, non-repeating-looking bytes.
-fn pattern(len: usize, salt: u64) -> Vec<u8> {
-    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// A background `kccl receive` with stderr in a file; killed on drop if it
@@ -393,8 +384,7 @@ fn broadcast_refuses_bad_ranks_and_paths() {
 #[test]
 fn missing_interface_kernel_fails_auto_falls_back() {
     let test = "missing_interface_kernel_fails_auto_falls_back";
-    if !is_root() {
-        println!("SKIPPED {test}: needs root (as non-root the kernel path fails for lack of root first)");
+    if !root_or_skip(test, "as non-root the kernel path fails for lack of root first") {
         return;
     }
     let dir = Scratch::new("noiface");
@@ -462,12 +452,11 @@ fn namespaces_of(cluster: &str) -> Vec<String> {
 #[test]
 fn end_to_end_in_a_3_host_cluster() {
     let test = "end_to_end_in_a_3_host_cluster";
-    if !is_root() {
-        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+    if !root_or_skip(test, "network namespaces, BPF") {
         return;
     }
     let t0 = Instant::now();
-    let name = kccl::cluster::unique_name("cli");
+    let name = kccl_testbed::cluster::unique_name("cli");
     let dir = Scratch::new("e2e");
     let data = pattern(100 * 1024, 3);
     let input = dir.write("in.bin", &data);
@@ -476,11 +465,11 @@ fn end_to_end_in_a_3_host_cluster() {
         let down = ClusterDown(name.clone());
         let o = run(&["cluster", "up", "--hosts", "3", "--name", &name]);
         assert!(o.status.success(), "kccl cluster up: {}", err_of(&o));
-        let g = kccl::cluster::group_path(&name);
+        let g = kccl_testbed::cluster::group_path(&name);
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(stdout.contains(s(&g)), "cluster up does not print the group file {}: {stdout}", g.display());
         assert_eq!(namespaces_of(&name).len(), 4, "3 hosts + switch");
-        let port = kccl::cluster::DEFAULT_PORT;
+        let port = kccl_testbed::cluster::DEFAULT_PORT;
         for path in ["kernel", "user"] {
             let out1 = dir.path(&format!("out1-{path}.bin"));
             let out2 = dir.path(&format!("out2-{path}.bin"));
@@ -516,7 +505,7 @@ fn end_to_end_in_a_3_host_cluster() {
     }
     let left = namespaces_of(&name);
     assert!(left.is_empty(), "namespaces left after cluster down: {left:?}");
-    assert!(!kccl::cluster::state_dir(&name).exists(), "state directory left after cluster down");
+    assert!(!kccl_testbed::cluster::state_dir(&name).exists(), "state directory left after cluster down");
     assert_clean(test, problems);
     println!("{test}: 100 KiB to ranks 1-2 over the kernel and the user path, bytes checked; {:?}", t0.elapsed());
 }
@@ -575,7 +564,7 @@ fn non_root_auto_falls_back_kernel_needs_root() {
     problems.extend(expect_error("--path kernel as non-root", &o, &["root"]));
 
     // Making a cluster needs root too, and says so.
-    let name = kccl::cluster::unique_name("clinr");
+    let name = kccl_testbed::cluster::unique_name("clinr");
     let _down = is_root().then(|| ClusterDown(name.clone()));
     let o = run_with(prefix, &["cluster", "up", "--hosts", "2", "--name", &name]);
     problems.extend(expect_error("cluster up as non-root", &o, &["needs root"]));
@@ -630,11 +619,10 @@ fn le_i32(v: &[i32]) -> Vec<u8> {
 #[test]
 fn reduce_and_allreduce_through_the_cli() {
     let test = "reduce_and_allreduce_through_the_cli";
-    if !is_root() {
-        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+    if !root_or_skip(test, "network namespaces, BPF") {
         return;
     }
-    let name = kccl::cluster::unique_name("clia");
+    let name = kccl_testbed::cluster::unique_name("clia");
     let dir = Scratch::new("agg-e2e");
     let n = 3000; // three chunks of 358 int32 and a partial one
     let data: Vec<Vec<i32>> =
@@ -647,7 +635,7 @@ fn reduce_and_allreduce_through_the_cli() {
     let _down = ClusterDown(name.clone());
     let o = run(&["cluster", "up", "--hosts", "4", "--name", &name]);
     assert!(o.status.success(), "kccl cluster up: {}", err_of(&o));
-    let g = kccl::cluster::group_path(&name);
+    let g = kccl_testbed::cluster::group_path(&name);
     let text = fs::read_to_string(&g).expect("reading the group file");
     let ga = dir.write("with-aggregator.toml", format!("aggregator = 3\n{text}"));
     for path in ["kernel", "user"] {
@@ -751,8 +739,7 @@ fn bench_all_runs_a_tiny_subset() {
     if !sg.contains("\"status\": \"not measured\"") {
         problems.push(format!("scatter-gather.json: {sg:?}"));
     }
-    if !is_root() {
-        println!("SKIPPED {test} (broadcast part): needs root (network namespaces, BPF)");
+    if !root_or_skip(&format!("{test} (broadcast part)"), "network namespaces, BPF") {
         assert_clean(test, problems);
         return;
     }
@@ -800,8 +787,7 @@ fn bench_all_runs_a_tiny_subset() {
 #[test]
 fn bench_all_fails_when_a_result_check_fails() {
     let test = "bench_all_fails_when_a_result_check_fails";
-    if !is_root() {
-        println!("SKIPPED {test}: needs root (network namespaces, BPF)");
+    if !root_or_skip(test, "network namespaces, BPF") {
         return;
     }
     let dir = Scratch::new("suite-corrupt");

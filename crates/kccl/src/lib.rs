@@ -9,18 +9,13 @@
 //! - [`kernel_agg`]: the aggregation engine (xdp_agg + tc_agg_result);
 //! - [`bcast`]: broadcast sender and receiver over both paths;
 //! - [`agg`]: reduce and allreduce (aggregation) over both paths;
-//! - [`fault`]: a fault injector (loss, duplication, reordering) for kccl packets;
-//! - [`cluster`]: a local virtual cluster of hosts in network namespaces;
-//! - [`bench`], [`bench_agg`], [`bench_loss`]: the benchmarks behind `kccl bench` and `kccl demo`.
+//! - [`fault`]: a fault injector (loss, duplication, reordering) for kccl packets.
+//!
+//! The virtual cluster, the benchmarks and the peers (Gloo, MPI) live in the
+//! `kccl-testbed` crate.
 
 pub mod agg;
 pub mod bcast;
-pub mod bench;
-pub mod bench_agg;
-pub mod bench_loss;
-pub mod bench_peers;
-pub mod bench_suite;
-pub mod cluster;
 pub mod error;
 pub mod fault;
 pub mod group;

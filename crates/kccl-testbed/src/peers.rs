@@ -43,9 +43,9 @@ pub const PYTHON: &str = "/usr/bin/python3";
 /// Where the per-run directories (scripts, hostfile, agent, rank outputs) go.
 pub const WORK_ROOT: &str = "/run/kccl/peers";
 
-const COMMON_PY: &str = include_str!("../../../bench/peers/peer_common.py");
-const GLOO_PY: &str = include_str!("../../../bench/peers/gloo_peer.py");
-const MPI_PY: &str = include_str!("../../../bench/peers/mpi_peer.py");
+const COMMON_PY: &str = include_str!("../py/peers/peer_common.py");
+const GLOO_PY: &str = include_str!("../py/peers/gloo_peer.py");
+const MPI_PY: &str = include_str!("../py/peers/mpi_peer.py");
 
 /// Exit code of a rank script whose result check failed.
 const EXIT_MISMATCH: i32 = 3;
@@ -169,7 +169,7 @@ pub enum PeerError {
     },
 
     #[error(transparent)]
-    Kccl(#[from] crate::Error),
+    Kccl(#[from] kccl::Error),
 }
 
 fn io_err(step: impl Into<String>) -> impl FnOnce(std::io::Error) -> PeerError {
@@ -689,7 +689,7 @@ fn read_ranks(dir: &Path, spec: &PeerSpec, hosts: &[crate::cluster::Host]) -> Re
         let bad = |msg: String| PeerError::Output { peer: spec.peer, op: spec.op, path: path.clone(), msg };
         let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("not written ({e})")))?;
         let rec: RankRecord = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let ns_path = crate::netns::path(&h.netns);
+        let ns_path = kccl::netns::path(&h.netns);
         let ino = std::fs::metadata(&ns_path).map_err(io_err(format!("reading {}", ns_path.display())))?.ino();
         let want_checked = spec.op != PeerOp::Reduce || r == 0;
         let problem = if rec.peer != spec.peer.to_string() || rec.op != spec.op.to_string() {

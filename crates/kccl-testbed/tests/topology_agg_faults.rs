@@ -31,26 +31,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kccl::agg::{AggConfig, AggOp, Aggregator, Collective, PathChoice};
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::{is_root, Error};
+use kccl::error::Error;
 use kccl::fault::{self, FaultConfig};
 use kccl::group::Group;
 use kccl::netns;
 use kccl::wire::{Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::root_or_skip;
 
 const AGG: u16 = 3;
 const ALLREDUCE_JOB: u32 = 31;
 const REDUCE_JOB: u32 = 32;
 /// Elements per operation: 100 chunks of 1432 bytes (int32).
 const LEN: usize = 358 * 100;
-
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root");
-    false
-}
 
 fn cfg() -> AggConfig {
     AggConfig {
@@ -267,14 +263,14 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn allreduce_exact_under_faults_kernel() {
-    if root_or_skip("allreduce_exact_under_faults_kernel") {
+    if root_or_skip("allreduce_exact_under_faults_kernel", "network namespaces and BPF") {
         exact_under_faults("af-ak", PathChoice::Kernel, false);
     }
 }
 
 #[test]
 fn allreduce_exact_under_faults_user() {
-    if root_or_skip("allreduce_exact_under_faults_user") {
+    if root_or_skip("allreduce_exact_under_faults_user", "network namespaces and BPF") {
         exact_under_faults("af-au", PathChoice::User, false);
     }
 }
@@ -282,14 +278,14 @@ fn allreduce_exact_under_faults_user() {
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn reduce_exact_under_faults_kernel() {
-    if root_or_skip("reduce_exact_under_faults_kernel") {
+    if root_or_skip("reduce_exact_under_faults_kernel", "network namespaces and BPF") {
         exact_under_faults("af-rk", PathChoice::Kernel, true);
     }
 }
 
 #[test]
 fn reduce_exact_under_faults_user() {
-    if root_or_skip("reduce_exact_under_faults_user") {
+    if root_or_skip("reduce_exact_under_faults_user", "network namespaces and BPF") {
         exact_under_faults("af-ru", PathChoice::User, true);
     }
 }
@@ -326,7 +322,7 @@ fn contribution(src_rank: u16, mask: u64, op_id: u32, values: &[i32]) -> Vec<u8>
 #[test]
 fn dead_member_kernel() {
     use kccl::kernel_agg::SlotState;
-    if !root_or_skip("dead_member_kernel") {
+    if !root_or_skip("dead_member_kernel", "network namespaces and BPF") {
         return;
     }
     let topo = Topo::up("af-dead");
@@ -481,14 +477,14 @@ fn restarted_members(prefix: &str, path: PathChoice) {
 #[cfg(feature = "kernel-agg")]
 #[test]
 fn restarted_members_kernel() {
-    if root_or_skip("restarted_members_kernel") {
+    if root_or_skip("restarted_members_kernel", "network namespaces and BPF") {
         restarted_members("rs-k", PathChoice::Kernel);
     }
 }
 
 #[test]
 fn restarted_members_user() {
-    if root_or_skip("restarted_members_user") {
+    if root_or_skip("restarted_members_user", "network namespaces and BPF") {
         restarted_members("rs-u", PathChoice::User);
     }
 }

@@ -39,43 +39,27 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kccl::bcast::{Broadcaster, Message, Path, PathChoice, Receiver, RecvStats, Reliability, SenderStats};
-use kccl::bench::fnv1a;
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::{is_root, Error};
+use kccl::error::Error;
 use kccl::fault::{self, FaultConfig, FaultStats};
 use kccl::group::Group;
 use kccl::netns;
 use kccl::wire::{BcastAck, Header, ACK_COMPLETE, HDR_LEN, T_BCAST, T_BCAST_ACK, VERSION};
+use kccl_testbed::bench::fnv1a;
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::{pattern, root_or_skip};
 
 const RECEIVERS: [u16; 4] = [1, 2, 3, 4];
 /// The receiver whose link gets the faults in the "member link" cases.
 const MEMBER: u16 = 2;
-
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root");
-    false
-}
 
 /// Base seed: KCCL_TEST_SEED, else the clock.  Printed by every case.
 fn base_seed() -> u64 {
     std::env::var("KCCL_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     })
-}
-
-fn pattern(len: usize, salt: u64) -> Vec<u8> {
-    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// Single packets, packet boundaries and multi-packet messages up to 1 MiB.
@@ -351,7 +335,7 @@ fn print_sender_bad_input(st: &SenderStats) {
 }
 
 fn loss_cases(test: &str, prefix: &str, member_link: bool) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     for (i, loss) in [0.0001, 0.001, 0.01, 0.05].into_iter().enumerate() {
@@ -373,7 +357,7 @@ fn b_loss_on_member_link() {
 #[test]
 fn c_duplication_and_reordering() {
     let test = "c_duplication_and_reordering";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let sender = Case {
@@ -401,7 +385,7 @@ fn c_duplication_and_reordering() {
 #[test]
 fn d_per_packet_acknowledgments() {
     let test = "d_per_packet_acknowledgments";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let case = Case {
@@ -432,7 +416,7 @@ fn d_per_packet_acknowledgments() {
 #[test]
 fn g_large_message_under_loss() {
     let test = "g_large_message_under_loss";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     for (prefix, member_link) in [("tfbgs", false), ("tfbgm", true)] {
@@ -455,7 +439,7 @@ fn g_large_message_under_loss() {
 #[test]
 fn e_dead_receiver_mid_message() {
     let test = "e_dead_receiver_mid_message";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let name = cluster::unique_name("tfdead");
@@ -543,7 +527,7 @@ fn ack_bytes(job: u32, from_rank: u16, seq: u32, msg_len: u32, ack: &BcastAck) -
 #[test]
 fn f_bad_input_ignored_and_counted() {
     let test = "f_bad_input_ignored_and_counted";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let name = cluster::unique_name("tfbad");

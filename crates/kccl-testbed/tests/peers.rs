@@ -17,19 +17,14 @@
 //! when they are not, these tests fail and say so. Without root each test
 //! prints `SKIPPED <test>: needs root (network namespaces)` and returns.
 
-use kccl::bench_peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
-use kccl::cluster::{unique_name, ClusterGuard, ClusterSpec};
-use kccl::error::is_root;
+use kccl_testbed::cluster::{unique_name, ClusterGuard, ClusterSpec};
+use kccl_testbed::peers::{self as bench_peers, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::root_or_skip;
 
 const HOSTS: usize = 4;
-
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root (network namespaces)");
-    false
-}
 
 fn smoke(peer: Peer, op: PeerOp, dtype: DType, bytes: usize) -> PeerSpec {
     PeerSpec::new(peer, op, dtype, bytes, HOSTS).expect("valid spec").smoke()
@@ -50,7 +45,7 @@ fn check_result(r: &PeerResult, spec: &PeerSpec) {
 
 #[test]
 fn peers_run_checked_collectives_on_four_hosts() {
-    if !root_or_skip("peers_run_checked_collectives_on_four_hosts") {
+    if !root_or_skip("peers_run_checked_collectives_on_four_hosts", "network namespaces") {
         return;
     }
     let g = ClusterGuard::up(&ClusterSpec::new(&unique_name("peers"), HOSTS)).expect("cluster up");
@@ -72,7 +67,7 @@ fn peers_run_checked_collectives_on_four_hosts() {
 
 #[test]
 fn peers_report_a_wrong_result_as_a_mismatch() {
-    if !root_or_skip("peers_report_a_wrong_result_as_a_mismatch") {
+    if !root_or_skip("peers_report_a_wrong_result_as_a_mismatch", "network namespaces") {
         return;
     }
     let g = ClusterGuard::up(&ClusterSpec::new(&unique_name("peersbad"), HOSTS)).expect("cluster up");
@@ -95,7 +90,7 @@ fn peers_report_a_wrong_result_as_a_mismatch() {
 
 #[test]
 fn peers_reject_more_ranks_than_hosts() {
-    if !root_or_skip("peers_reject_more_ranks_than_hosts") {
+    if !root_or_skip("peers_reject_more_ranks_than_hosts", "network namespaces") {
         return;
     }
     let g = ClusterGuard::up(&ClusterSpec::new(&unique_name("peersn"), 2)).expect("cluster up");

@@ -1,4 +1,4 @@
-//! Integration tests of the virtual cluster (`kccl::cluster`).
+//! Integration tests of the virtual cluster (`kccl_testbed::cluster`).
 //!
 //! ```text
 //!   kccl-<name>-h0        kccl-<name>-h1        kccl-<name>-h2
@@ -23,17 +23,13 @@ use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::{is_root, Error};
+use kccl::error::Error;
 use kccl::netns;
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root (network namespaces)");
-    false
-}
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::root_or_skip;
 
 /// Names of existing namespaces that start with "kccl-<name>-".
 fn namespaces_of(name: &str) -> Vec<String> {
@@ -63,7 +59,7 @@ fn strings(v: &[&str]) -> Vec<String> {
 
 #[test]
 fn three_hosts_addresses_neighbours_and_udp() {
-    if !root_or_skip("three_hosts_addresses_neighbours_and_udp") {
+    if !root_or_skip("three_hosts_addresses_neighbours_and_udp", "network namespaces") {
         return;
     }
     let name = cluster::unique_name("t3");
@@ -173,7 +169,7 @@ fn three_hosts_addresses_neighbours_and_udp() {
 
 #[test]
 fn sixty_five_hosts_up_down_and_load() {
-    if !root_or_skip("sixty_five_hosts_up_down_and_load") {
+    if !root_or_skip("sixty_five_hosts_up_down_and_load", "network namespaces") {
         return;
     }
     let name = cluster::unique_name("t65");
@@ -219,7 +215,7 @@ fn sixty_five_hosts_up_down_and_load() {
 
 #[test]
 fn errors_are_clear() {
-    if !root_or_skip("errors_are_clear") {
+    if !root_or_skip("errors_are_clear", "network namespaces") {
         return;
     }
     for bad in ["", "Upper", "a_b", "a/b", "thirteenchars"] {
@@ -268,7 +264,7 @@ fn errors_are_clear() {
 
 #[test]
 fn failed_up_leaves_nothing_and_races_leave_the_winner() {
-    if !root_or_skip("failed_up_leaves_nothing_and_races_leave_the_winner") {
+    if !root_or_skip("failed_up_leaves_nothing_and_races_leave_the_winner", "network namespaces") {
         return;
     }
     // A failure after the namespaces exist: make writing the group file fail
@@ -309,7 +305,7 @@ fn failed_up_leaves_nothing_and_races_leave_the_winner() {
 
 #[test]
 fn exec_runs_inside_the_host() {
-    if !root_or_skip("exec_runs_inside_the_host") {
+    if !root_or_skip("exec_runs_inside_the_host", "network namespaces") {
         return;
     }
     let name = cluster::unique_name("tx");

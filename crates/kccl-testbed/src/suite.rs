@@ -6,7 +6,7 @@
 //! Nothing is measured here that the per-collective harnesses do not already
 //! measure: broadcast runs through [`BcastHarness::measure`], aggregation
 //! through [`AggHarness::measure`] and [`measure_cpu`], the peers through
-//! [`bench_peers::run`].  Each of those checks its result against a reference
+//! [`peers::run`].  Each of those checks its result against a reference
 //! before anything is timed and returns an error otherwise.  This module picks
 //! the points, repeats them to show the machine's noise, turns the records into
 //! one table per experiment (median, p99, ratio to the user-space path,
@@ -23,13 +23,13 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use crate::agg::{AggConfig, AggOp};
-use crate::bcast::{Path, PathChoice};
+use crate::bench::agg::{measure_cpu, rank_value, AggHarness, AggRecord, Kind, RootWork};
 use crate::bench::{percentile, write_outputs, BcastHarness, BcastRecord};
-use crate::bench_agg::{measure_cpu, rank_value, AggHarness, AggRecord, Kind, RootWork};
-use crate::bench_peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
 use crate::cluster;
-use crate::error::{Error, Result};
+use crate::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
+use kccl::agg::{AggConfig, AggOp};
+use kccl::bcast::{Path, PathChoice};
+use kccl::{Error, Result};
 
 /// One experiment of the suite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -576,7 +576,7 @@ fn run_peers(
                     ps.warmup = w.min(ps.warmup);
                     ps.iters = n.min(ps.iters);
                 }
-                bench_peers::run(cl, &ps)
+                peers::run(cl, &ps)
             };
             prog.say(format!("{point}: {peer} {op} ({ranks} ranks, {bytes} B {}), run {}/{runs}", pp.dtype, run_i + 1));
             match run() {
@@ -615,7 +615,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     println!("== kccl benchmark suite{}: {}", if spec.smoke { " (smoke)" } else { "" }, env.machine);
     if spec.peers && spec.experiments.iter().any(|e| e.uses_peers()) {
         for p in [Peer::Gloo, Peer::Mpi] {
-            if let Err(e) = bench_peers::check_installed(p) {
+            if let Err(e) = peers::check_installed(p) {
                 return Err(Error::Usage(format!("{e} (or run the suite with --no-peers)")));
             }
         }

@@ -48,11 +48,15 @@ use std::time::{Duration, Instant};
 
 use kccl::agg::user::AggStats;
 use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element, Path, PathChoice, Quant};
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::{is_root, Error};
+use kccl::error::Error;
 use kccl::group::{Group, Member};
 use kccl::netns;
 use kccl::wire::{Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::root_or_skip;
 
 /// Which path each role runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,14 +131,6 @@ fn kernel_counters(s: Option<kccl::kernel_agg::AggStats>) -> KernelCounters {
 
 const REDUCE_JOB: u32 = 11;
 const ALLREDUCE_JOB: u32 = 12;
-
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root");
-    false
-}
 
 /// The test's aggregation settings: the defaults, with a deadline short
 /// enough for the failure cases and a slot timeout that lets abandoned
@@ -566,7 +562,7 @@ fn cases(sizes: &[usize]) -> Vec<Case> {
 /// N senders: reduce to rank N (which folds its own data in) and allreduce
 /// through aggregator rank N, every case checked on every member.
 fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize]) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -720,7 +716,7 @@ fn a_kernel_aggregator_only_16_senders() {
 /// stash of 16 chunks (nslots 16) also makes the root leave most records in
 /// the ring buffer until it reaches their call.
 fn root_behind_contributors(test: &str, paths: Paths) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -806,7 +802,7 @@ fn a_kernel_path_root_behind_2_senders() {
 
 /// 22M float32 (88 MB per member), SUM, 2 senders: reduce and allreduce.
 fn large_float_sum(test: &str, paths: Paths) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     const LEN: usize = 22_000_000;
@@ -876,7 +872,7 @@ fn b_kernel_aggregator_only_22m_float32() {
 /// error naming the element, f32 with a fixed scale is redone exactly);
 /// and the members recover for the next call after each failure.
 fn bad_input(test: &str, paths: Paths) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     // Ranks 0..2 send, rank 3 is root/aggregator, host 4 is outside the group.
@@ -1117,7 +1113,7 @@ fn c_kernel_aggregator_only_bad_input() {
 /// int64 (USER_ONLY) and the result is right; an element that does not fit
 /// the scale at all is refused before sending.
 fn fixed_scale_redo(test: &str, paths: Paths) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let topo = Topo::up("agg-fix", 4);
@@ -1206,7 +1202,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 #[test]
 #[ignore]
 fn z_perf_allreduce_user_path() {
-    if !root_or_skip("z_perf_allreduce_user_path") {
+    if !root_or_skip("z_perf_allreduce_user_path", "network namespaces and BPF") {
         return;
     }
     let len: usize = env_or("KCCL_PERF_LEN", 4_000_000);

@@ -12,18 +12,21 @@
 //! bridge into the receivers' sockets) is charged to it on both paths.
 //! Every timed iteration checks each receiver's bytes (length + FNV-1a hash).
 
+pub mod agg;
+pub mod loss;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver as Rx, RecvTimeoutError, Sender as Tx};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::bcast::{thread_cpu_time, Broadcaster, Path, PathChoice, Receiver};
 use crate::cluster::{ClusterGuard, ClusterSpec};
-use crate::error::{Error, Result};
-use crate::group::Group;
-use crate::netns;
-use crate::wire::HDR_LEN;
+use kccl::bcast::{thread_cpu_time, Broadcaster, Path, PathChoice, Receiver};
+use kccl::group::Group;
+use kccl::netns;
+use kccl::wire::HDR_LEN;
+use kccl::{Error, Result};
 
 /// One result row of `kccl bench broadcast` (JSON record).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -467,7 +470,7 @@ pub fn write_outputs<T: serde::Serialize>(
     Ok(())
 }
 
-const PLOT_PY: &str = include_str!("../../../bench/plot.py");
+const PLOT_PY: &str = include_str!("../../py/plot.py");
 
 fn python() -> &'static str {
     if std::path::Path::new("/usr/bin/python3").exists() {

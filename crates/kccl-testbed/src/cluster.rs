@@ -34,9 +34,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::error::{is_root, Error, Result};
-use crate::group::{Group, Member};
-use crate::netns;
+use kccl::error::is_root;
+use kccl::group::{Group, Member};
+use kccl::netns;
+use kccl::{Error, Result};
 
 /// UDP port every member listens on unless the spec says otherwise.
 pub const DEFAULT_PORT: u16 = 47000;
@@ -545,7 +546,7 @@ pub fn down(name: &str) -> Result<usize> {
         let mut script = String::new();
         for (_, ns) in &namespaces {
             script.push_str(&format!("netns del {ns}\n"));
-            crate::fault::clear_namespace(ns)?;
+            kccl::fault::clear_namespace(ns)?;
         }
         ip_batch(name, None, &script)?;
     }

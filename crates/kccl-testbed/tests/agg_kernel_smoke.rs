@@ -23,11 +23,14 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::is_root;
 use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats};
 use kccl::netns;
 use kccl::wire::{Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, MAGIC, T_AGG, T_AGG_ACK, T_AGG_RESULT, VERSION};
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::root_or_skip;
 
 const PORT: u16 = cluster::DEFAULT_PORT;
 const CHUNK: usize = 1432;
@@ -268,8 +271,7 @@ fn run(c: &cluster::Cluster) -> kccl::Result<()> {
 
 #[test]
 fn agg_kernel_smoke() {
-    if !is_root() {
-        println!("SKIP: agg_kernel_smoke needs root (network namespaces, BPF)");
+    if !root_or_skip("agg_kernel_smoke", "network namespaces, BPF") {
         return;
     }
     let name = cluster::unique_name("aggsm");

@@ -25,13 +25,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element};
-use crate::bcast::{thread_cpu_time, Path, PathChoice};
 use crate::bench::percentile;
 use crate::cluster::{ClusterGuard, ClusterSpec};
-use crate::error::{Error, Result};
-use crate::group::Group;
-use crate::netns;
+use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element};
+use kccl::bcast::{thread_cpu_time, Path, PathChoice};
+use kccl::group::Group;
+use kccl::netns;
+use kccl::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

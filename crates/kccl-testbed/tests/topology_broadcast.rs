@@ -44,11 +44,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kccl::bcast::{Broadcaster, Message, Path, PathChoice, Receiver, RecvStats, Reliability, SendReport};
-use kccl::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl::error::{is_root, Error};
+use kccl::error::Error;
 use kccl::group::Group;
 use kccl::kernel::BcastStats;
 use kccl::netns;
+use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+
+#[path = "../../kccl/tests/support/mod.rs"]
+mod support;
+use support::{pattern, root_or_skip};
 
 /// How long a receiver waits for each expected message (generous: the
 /// machine has 2 cores shared by every host).
@@ -56,14 +60,6 @@ const EACH: Duration = Duration::from_secs(20);
 
 /// How long a receiver listens for anything beyond what it expected.
 const QUIET: Duration = Duration::from_millis(300);
-
-fn root_or_skip(test: &str) -> bool {
-    if is_root() {
-        return true;
-    }
-    println!("SKIPPED {test}: needs root");
-    false
-}
 
 /// A cluster of `hosts` hosts; rank i lives in host i.
 struct Topo {
@@ -90,20 +86,6 @@ impl Topo {
     fn ns(&self, rank: u16) -> String {
         cluster::host_netns(self.name(), rank.into())
     }
-}
-
-/// `len` deterministic bytes; different salts give different bytes, so a
-/// receiver that got the wrong message (or bytes of another) is caught.
-fn pattern(len: usize, salt: u64) -> Vec<u8> {
-    let mut x = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// None if equal; else where they first differ (no multi-megabyte dumps).
@@ -479,7 +461,7 @@ fn messages() -> Vec<Vec<u8>> {
 /// Test a (and d): rank 0 sends every message of `messages()` to ranks
 /// 1..=receivers over `choice`; every receiver must get exactly those.
 fn broadcast_to_all(test: &str, prefix: &str, receivers: usize, choice: PathChoice) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -578,7 +560,7 @@ fn a_kernel_path_64_receivers() {
 #[test]
 fn b_kernel_path_subset_of_destinations() {
     let test = "b_kernel_path_subset_of_destinations";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -616,7 +598,7 @@ fn b_kernel_path_subset_of_destinations() {
 #[test]
 fn c_64_mib_to_2_receivers_kernel_and_user() {
     let test = "c_64_mib_to_2_receivers_kernel_and_user";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -685,7 +667,7 @@ fn d_user_path_9_receivers() {
 /// starts, so tc_bcast reports that destination as missed and the sender
 /// serves it from user space (which makes the kernel resolve it by ARP).
 fn unresolved_neighbour(test: &str, prefix: &str, lost: u16) {
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();
@@ -814,7 +796,7 @@ impl Drop for Scratch {
 #[test]
 fn f_interop_plain_python_udp_receiver() {
     let test = "f_interop_plain_python_udp_receiver";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     if let Err(why) = python_ok() {
@@ -883,7 +865,7 @@ fn f_interop_plain_python_udp_receiver() {
 #[test]
 fn g_bad_destinations_are_refused_and_send_nothing() {
     let test = "g_bad_destinations_are_refused_and_send_nothing";
-    if !root_or_skip(test) {
+    if !root_or_skip(test, "network namespaces and BPF") {
         return;
     }
     let t0 = Instant::now();

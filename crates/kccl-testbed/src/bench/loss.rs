@@ -14,14 +14,14 @@
 
 use std::time::Duration;
 
-use crate::agg::{AggConfig, AggOp};
-use crate::bcast::{Path, PathChoice};
+use crate::bench::agg::{AggHarness, Kind};
 use crate::bench::{percentile, BcastHarness};
-use crate::bench_agg::{AggHarness, Kind};
 use crate::cluster;
-use crate::error::{Error, Result};
-use crate::fault::{self, FaultConfig, FaultStats};
-use crate::group::Group;
+use kccl::agg::{AggConfig, AggOp};
+use kccl::bcast::{Path, PathChoice};
+use kccl::fault::{self, FaultConfig, FaultStats};
+use kccl::group::Group;
+use kccl::{Error, Result};
 
 /// What to measure.
 #[derive(Debug, Clone)]
