@@ -12,7 +12,8 @@ use clap::Args;
 use kccl::agg::{AggConfig, AggOp, Collective, Element, Quant};
 use kccl::bcast::{Path, PathChoice};
 use kccl::{Error, Result};
-use kccl_testbed::bench::agg::{measure_cpu, AggHarness, AggRecord, CpuRecord, Kind};
+use kccl_testbed::bench::agg::{AggHarness, AggRecord, CpuRecord, Kind};
+use kccl_testbed::bench::cpu::measure_cpu;
 use kccl_testbed::bench::{fnv1a, write_outputs};
 use kccl_testbed::cluster;
 

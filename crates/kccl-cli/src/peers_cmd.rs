@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kccl::{Error, Result};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl_testbed::peers::{self as bench_peers, DType, Peer, PeerError, PeerOp, PeerSpec};
+use kccl_testbed::peers::{self, DType, Peer, PeerError, PeerOp, PeerSpec};
 
 #[derive(Args)]
 pub struct PeersArgs {
@@ -69,7 +69,7 @@ fn measure(a: PeersArgs) -> std::result::Result<(), PeerError> {
         spec.warmup = n;
     }
     // Before building a cluster: a missing peer is the likeliest failure.
-    bench_peers::check_installed(peer)?;
+    peers::check_installed(peer)?;
     let (cluster, _guard) = match &a.name {
         Some(name) => (cluster::load(name)?, None),
         None => {
@@ -77,7 +77,7 @@ fn measure(a: PeersArgs) -> std::result::Result<(), PeerError> {
             (g.cluster.clone(), Some(g))
         }
     };
-    let r = bench_peers::run(&cluster, &spec)?;
+    let r = peers::run(&cluster, &spec)?;
     println!("{}", r.summary());
     let text = serde_json::to_string_pretty(&r)
         .map_err(|e| PeerError::Kccl(Error::Usage(format!("serializing results: {e}"))))?;

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kccl::error::is_root;
 use kccl::{Error, Result};
-use kccl_testbed::suite::{self as bench_suite, SuiteSpec};
+use kccl_testbed::suite::{self, SuiteSpec};
 
 #[derive(Args)]
 pub struct SuiteArgs {
@@ -33,7 +33,7 @@ pub struct SuiteArgs {
 }
 
 pub fn run(a: SuiteArgs) -> Result<ExitCode> {
-    let experiments = bench_suite::parse_experiments(&a.experiments)?;
+    let experiments = suite::parse_experiments(&a.experiments)?;
     if a.max_bytes == Some(0) {
         return Err(Error::Usage("--max-bytes 0: must be a positive number of bytes per rank".into()));
     }
@@ -45,7 +45,7 @@ pub fn run(a: SuiteArgs) -> Result<ExitCode> {
         max_bytes: a.max_bytes.unwrap_or(usize::MAX),
         workers: a.workers,
         // Test of the suite's failure path only (docs/BENCHMARKS.md).
-        corrupt: match std::env::var(bench_suite::CORRUPT_ENV) {
+        corrupt: match std::env::var(suite::CORRUPT_ENV) {
             Ok(v) if !v.is_empty() => Some(v.parse()?),
             _ => None,
         },
@@ -54,7 +54,7 @@ pub fn run(a: SuiteArgs) -> Result<ExitCode> {
     if spec.experiments.iter().any(|e| e.needs_root()) && !is_root() {
         return Err(Error::NotRoot { what: "kccl bench all (virtual cluster and BPF programs)".into() });
     }
-    let outcome = bench_suite::run(&spec)?;
+    let outcome = suite::run(&spec)?;
     println!("wrote {} (and one JSON/PNG per experiment in {})", outcome.summary.display(), spec.out.display());
     if outcome.exit_status() != 0 {
         eprintln!(

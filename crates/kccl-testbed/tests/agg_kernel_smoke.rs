@@ -13,11 +13,11 @@
 //!   +---------------------------------------------------------------------------+
 //! ```
 //!
-//! The cluster (crate::cluster, unique name) is removed by its guard, also
+//! The cluster (kccl_testbed::cluster, unique name) is removed by its guard, also
 //! when an assertion fails.  Reduce: the records on the ring buffer carry the
 //! exact sums and both contributors' sockets receive the ACK of every chunk.
 //! Allreduce: both sockets receive the RESULT of every chunk with the exact
-//! values.  Without root the test prints `SKIP: <reason>` and returns.
+//! values.  Without root the test prints `SKIPPED agg_kernel_smoke: needs root (...)` and returns (it fails under KCCL_REQUIRE_ROOT=1).
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};

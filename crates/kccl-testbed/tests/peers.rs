@@ -18,7 +18,7 @@
 //! prints `SKIPPED <test>: needs root (network namespaces)` and returns.
 
 use kccl_testbed::cluster::{unique_name, ClusterGuard, ClusterSpec};
-use kccl_testbed::peers::{self as bench_peers, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
+use kccl_testbed::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
 
 #[path = "../../kccl/tests/support/mod.rs"]
 mod support;
@@ -58,7 +58,7 @@ fn peers_run_checked_collectives_on_four_hosts() {
         ];
         for (op, dtype, bytes) in runs {
             let spec = smoke(peer, op, dtype, bytes);
-            let r = bench_peers::run(&g.cluster, &spec).unwrap_or_else(|e| panic!("{peer} {op} {dtype}: {e}"));
+            let r = peers::run(&g.cluster, &spec).unwrap_or_else(|e| panic!("{peer} {op} {dtype}: {e}"));
             println!("{}", r.summary());
             check_result(&r, &spec);
         }
@@ -76,7 +76,7 @@ fn peers_report_a_wrong_result_as_a_mismatch() {
     for (peer, op) in [(Peer::Gloo, PeerOp::Broadcast), (Peer::Mpi, PeerOp::Allreduce), (Peer::Mpi, PeerOp::Reduce)] {
         let mut spec = smoke(peer, op, DType::Int32, 4096);
         spec.inject_mismatch = true;
-        match bench_peers::run(&g.cluster, &spec) {
+        match peers::run(&g.cluster, &spec) {
             Err(PeerError::Mismatch { peer: p, op: o, detail }) => {
                 assert_eq!((p, o), (peer, op));
                 assert!(detail.contains("index 0"), "{peer} {op}: mismatch names the element: {detail}");
@@ -95,7 +95,7 @@ fn peers_reject_more_ranks_than_hosts() {
     }
     let g = ClusterGuard::up(&ClusterSpec::new(&unique_name("peersn"), 2)).expect("cluster up");
     let spec = PeerSpec::new(Peer::Gloo, PeerOp::Broadcast, DType::Int32, 64, 3).expect("valid spec");
-    match bench_peers::run(&g.cluster, &spec) {
+    match peers::run(&g.cluster, &spec) {
         Err(PeerError::Usage(m)) => assert!(m.contains("has 2 hosts"), "{m}"),
         other => panic!("expected a usage error, got {other:?}"),
     }

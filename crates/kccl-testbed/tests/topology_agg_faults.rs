@@ -22,7 +22,7 @@
 //! prints its seed.  Results must be bit-exact (integers) against a
 //! reference computed here.
 //!
-//! Run: `cargo test --release -p kccl --test topology_agg_faults -- --test-threads=1 --nocapture`
+//! Run: `cargo test --release -p kccl-testbed --test topology_agg_faults -- --test-threads=1 --nocapture`
 
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -38,7 +38,7 @@
 //! cargo feature `kernel-agg` (crate::kernel_agg, from the agg-bpf branch)
 //! and root.  Without root each test prints `SKIPPED <test>: needs root`.
 //!
-//! Run: `cargo test --release -p kccl --test topology_aggregation -- --test-threads=1 --nocapture`
+//! Run: `cargo test --release -p kccl-testbed --test topology_aggregation -- --test-threads=1 --nocapture`
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddrV4, UdpSocket};
@@ -1198,7 +1198,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 /// Throughput probe (ignored; timing only): allreduce of f32 SUM.
 /// KCCL_PERF_LEN (elements), KCCL_PERF_SENDERS, KCCL_PERF_WINDOW, KCCL_PERF_RTO_MS, KCCL_PERF_REPS.
-/// `cargo test --release -p kccl --test topology_aggregation z_perf -- --ignored --nocapture`
+/// `cargo test --release -p kccl-testbed --test topology_aggregation z_perf -- --ignored --nocapture`
 #[test]
 #[ignore]
 fn z_perf_allreduce_user_path() {

@@ -32,7 +32,7 @@
 //! datagram.  Without root each test prints `SKIPPED <test>: needs root` and
 //! returns.
 //!
-//! Run: `cargo test --release -p kccl --test topology_broadcast -- --test-threads=1 --nocapture`
+//! Run: `cargo test --release -p kccl-testbed --test topology_broadcast -- --test-threads=1 --nocapture`
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

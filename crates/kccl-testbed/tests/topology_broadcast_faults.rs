@@ -29,7 +29,7 @@
 //! byte (length and FNV-1a checksum per receiver), and broadcast() returned
 //! Ok, i.e. every receiver confirmed.
 //!
-//! Run: `cargo test --release -p kccl --test topology_broadcast_faults -- --test-threads=1 --nocapture`
+//! Run: `cargo test --release -p kccl-testbed --test topology_broadcast_faults -- --test-threads=1 --nocapture`
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddrV4, UdpSocket};
