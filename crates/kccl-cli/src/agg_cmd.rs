@@ -8,10 +8,10 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use clap::Args;
 use kccl::agg::{AggConfig, AggOp, Collective, Element, Quant};
 use kccl::bcast::{Path, PathChoice};
-use kccl::{Error, Result};
 use kccl_testbed::bench::agg::{AggHarness, AggRecord, CpuRecord, Kind};
 use kccl_testbed::bench::cpu::measure_cpu;
 use kccl_testbed::bench::{fnv1a, write_outputs};

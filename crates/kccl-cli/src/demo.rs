@@ -7,12 +7,12 @@
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
+use crate::error::Result;
 use clap::Args;
 use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
-use kccl::Result;
 use kccl_testbed::bench::agg::{AggHarness, Kind};
 use kccl_testbed::bench::{BcastHarness, BcastRecord};
 use kccl_testbed::cluster;

@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 
+use crate::error::Result;
 use clap::Args;
 use kccl::bcast::Path;
-use kccl::Result;
 use kccl_testbed::bench::loss::{self, LossRecord, LossSpec};
 use kccl_testbed::bench::write_outputs;
 

@@ -6,17 +6,19 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use crate::error::{Error, Result};
 use clap::{Args, Parser, Subcommand};
 use kccl::agg::{AggConfig, Aggregator};
 use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver, Reliability};
 use kccl::group::{parse_ranks, Group};
-use kccl::{netns, Error, Result};
+use kccl::netns;
 use kccl_testbed::bench::agg::Kind;
 use kccl_testbed::bench::{write_outputs, BcastHarness, BcastRecord};
 use kccl_testbed::cluster::{self, ClusterSpec};
 
 mod agg_cmd;
 mod demo;
+mod error;
 mod loss_cmd;
 mod peers_cmd;
 mod suite_cmd;
@@ -403,7 +405,7 @@ fn receive(a: ReceiveArgs) -> Result<()> {
             Ok(m) => m,
             Err(e) => {
                 eprintln!("kccl: receive counters: {}", serde_json::to_string(&r.stats()).unwrap_or_default());
-                return Err(e);
+                return Err(e.into());
             }
         };
         out.write_all(&m.data).map_err(|e| Error::io("writing received data", e))?;

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::error::{Error, Result};
 use clap::Args;
-use kccl::{Error, Result};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
-use kccl_testbed::peers::{self, DType, Peer, PeerError, PeerOp, PeerSpec};
+use kccl_testbed::peers::{self, DType, Peer, PeerOp, PeerSpec};
 
 #[derive(Args)]
 pub struct PeersArgs {
@@ -42,19 +42,11 @@ pub struct PeersArgs {
     json: PathBuf,
 }
 
-/// Peer errors are printed here like main's errors; only kccl's own go back to main.
 pub fn run(a: PeersArgs) -> Result<ExitCode> {
-    match measure(a) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(PeerError::Kccl(e)) => Err(e),
-        Err(e) => {
-            eprintln!("kccl: error: {e}");
-            Ok(ExitCode::from(1))
-        }
-    }
+    measure(a).map(|_| ExitCode::SUCCESS)
 }
 
-fn measure(a: PeersArgs) -> std::result::Result<(), PeerError> {
+fn measure(a: PeersArgs) -> Result<()> {
     let peer: Peer = a.peer.parse()?;
     let op: PeerOp = a.op.parse()?;
     let dtype: DType = a.dtype.parse()?;
@@ -80,9 +72,8 @@ fn measure(a: PeersArgs) -> std::result::Result<(), PeerError> {
     let r = peers::run(&cluster, &spec)?;
     println!("{}", r.summary());
     let text = serde_json::to_string_pretty(&r)
-        .map_err(|e| PeerError::Kccl(Error::Usage(format!("serializing results: {e}"))))?;
-    std::fs::write(&a.json, text)
-        .map_err(|e| PeerError::Kccl(Error::io(format!("writing {}", a.json.display()), e)))?;
+        .map_err(|e| Error::io("serializing results as JSON", std::io::Error::other(e)))?;
+    std::fs::write(&a.json, text).map_err(|e| Error::io(format!("writing {}", a.json.display()), e))?;
     println!("wrote {}", a.json.display());
     Ok(())
 }

@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::error::{Error, Result};
 use clap::Args;
 use kccl::error::is_root;
-use kccl::{Error, Result};
 use kccl_testbed::suite::{self, SuiteSpec};
 
 #[derive(Args)]

@@ -34,10 +34,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::error::{Error, Result};
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
 use kccl::netns;
-use kccl::{Error, Result};
 
 /// UDP port every member listens on unless the spec says otherwise.
 pub const DEFAULT_PORT: u16 = 47000;
@@ -327,8 +327,7 @@ fn bridge_batch(name: &str, ns: &str, script: &str) -> Result<()> {
 /// that setns()es from namespace to namespace: /proc/sys/net shows the
 /// calling thread's namespace, and this avoids a process per namespace.
 fn disable_ipv6(name: &str, namespaces: Vec<String>) -> Result<()> {
-    let cname = name.to_owned();
-    netns::run_in(None, move || {
+    let r = netns::run_in(None, move || {
         for ns in &namespaces {
             netns::enter(ns)?;
             // `default` first so interfaces created later start with IPv6 off.
@@ -338,14 +337,13 @@ fn disable_ipv6(name: &str, namespaces: Vec<String>) -> Result<()> {
                     Ok(()) => {}
                     // Kernel without IPv6: nothing to disable.
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        return Err(cluster_err(&cname, format!("disabling IPv6 in {ns}: writing {p}: {e}")));
-                    }
+                    Err(e) => return Err(kccl::Error::io(format!("disabling IPv6 in {ns}: writing {p}"), e)),
                 }
             }
         }
         Ok(())
-    })
+    });
+    r.map_err(|e| cluster_err(name, e.to_string()))
 }
 
 /// Creates the cluster described by `spec` and writes its group file.
@@ -648,7 +646,7 @@ pub fn host_target(name: &str, host: &str) -> Result<(String, String)> {
 /// namespace's interfaces; use netlink (`ip`) to inspect the host's.
 pub fn exec(name: &str, host: &str, argv: &[String]) -> Result<ExitStatus> {
     let Some((prog, args)) = argv.split_first() else {
-        return Err(Error::Usage("cluster exec: no command given".into()));
+        return Err(Error::setting("cluster exec", "no command given"));
     };
     validate_name(name)?;
     let ns = resolve_host(name, host)?;

@@ -11,5 +11,7 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod error;
 pub mod peers;
 pub mod suite;
+pub use error::{Error, Result};

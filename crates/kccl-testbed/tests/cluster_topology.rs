@@ -23,9 +23,9 @@ use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kccl::error::Error;
 use kccl::netns;
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+use kccl_testbed::Error;
 
 #[path = "../../kccl/tests/support/mod.rs"]
 mod support;
@@ -111,17 +111,17 @@ fn three_hosts_addresses_neighbours_and_udp() {
     let (ready_tx, ready_rx) = mpsc::channel();
     let receiver = std::thread::spawn(move || {
         netns::run_in(Some(&h2.netns), move || {
-            let sock = UdpSocket::bind((h2.addr, port)).map_err(|e| Error::io("bind in h2", e))?;
-            sock.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| Error::io("timeout", e))?;
+            let sock = UdpSocket::bind((h2.addr, port)).map_err(|e| kccl::Error::io("bind in h2", e))?;
+            sock.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| kccl::Error::io("timeout", e))?;
             let _ = ready_tx.send(());
             let mut got = Vec::new();
             let mut buf = [0u8; 256];
             for _ in 0..2 {
-                let (n, from) = sock.recv_from(&mut buf).map_err(|e| Error::io("recv in h2", e))?;
+                let (n, from) = sock.recv_from(&mut buf).map_err(|e| kccl::Error::io("recv in h2", e))?;
                 got.push((from, buf[..n].to_vec()));
             }
             // Nothing else may arrive.
-            sock.set_read_timeout(Some(Duration::from_millis(300))).map_err(|e| Error::io("timeout", e))?;
+            sock.set_read_timeout(Some(Duration::from_millis(300))).map_err(|e| kccl::Error::io("timeout", e))?;
             if let Ok((n, from)) = sock.recv_from(&mut buf) {
                 got.push((from, buf[..n].to_vec()));
             }
@@ -133,8 +133,8 @@ fn three_hosts_addresses_neighbours_and_udp() {
         let ns = c.hosts[sender].netns.clone();
         let dst = SocketAddr::from((c.hosts[2].addr, port));
         let sent = netns::run_in(Some(&ns), move || {
-            let sock = UdpSocket::bind("0.0.0.0:0").map_err(|e| Error::io("bind", e))?;
-            sock.send_to(format!("from h{sender}").as_bytes(), dst).map_err(|e| Error::io("send", e))
+            let sock = UdpSocket::bind("0.0.0.0:0").map_err(|e| kccl::Error::io("bind", e))?;
+            sock.send_to(format!("from h{sender}").as_bytes(), dst).map_err(|e| kccl::Error::io("send", e))
         })
         .expect("send from a host");
         assert_eq!(sent, 7);
@@ -251,7 +251,7 @@ fn errors_are_clear() {
             other => panic!("host {host:?} must be refused, got {other:?}"),
         }
     }
-    assert!(matches!(cluster::exec(&name, "h0", &[]), Err(Error::Usage(_))));
+    assert!(matches!(cluster::exec(&name, "h0", &[]), Err(Error::BadSetting { .. })));
     match cluster::exec(&cluster::unique_name("none"), "h0", &strings(&["true"])) {
         Err(Error::Cluster { msg, .. }) => assert!(msg.contains("no such cluster"), "{msg}"),
         other => panic!("exec in a missing cluster must fail, got {other:?}"),

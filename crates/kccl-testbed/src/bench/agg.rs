@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 
 use crate::bench::percentile;
 use crate::cluster::{ClusterGuard, ClusterSpec};
+use crate::error::{Error, Result};
 use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element};
 use kccl::bcast::{thread_cpu_time, Path, PathChoice};
 use kccl::group::Group;
 use kccl::netns;
-use kccl::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -116,14 +116,17 @@ fn reference(op: AggOp, ranks: &[u16], i: usize) -> i32 {
 
 pub(super) fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[i32], elems: usize, who: u16) -> Result<()> {
     if got.len() != elems {
-        return Err(Error::Usage(format!("{kind} check: rank {who} got {} elements, expected {elems}", got.len())));
+        return Err(Error::wrong(kind, format!("rank {who} got {} elements, expected {elems}", got.len())));
     }
     if let Some(i) = (0..elems).find(|&i| got[i] != reference(op, ranks, i)) {
-        return Err(Error::Usage(format!(
-            "{kind} check: rank {who} element {i} is {}, expected {} ({op:?} over ranks {ranks:?})",
-            got[i],
-            reference(op, ranks, i)
-        )));
+        return Err(Error::wrong(
+            kind,
+            format!(
+                "rank {who} element {i} is {}, expected {} ({op:?} over ranks {ranks:?})",
+                got[i],
+                reference(op, ranks, i)
+            ),
+        ));
     }
     Ok(())
 }
@@ -163,7 +166,7 @@ fn block_scale(quantized: &[u16], r: std::ops::Range<usize>, h: u32) -> f64 {
 /// (`ranks[0]`) is not quantized.
 fn check_f32_sum(kind: Kind, ranks: &[u16], got: &[f32], elems: usize, who: u16, chunk: usize) -> Result<()> {
     if got.len() != elems {
-        return Err(Error::Usage(format!("{kind} check: rank {who} got {} elements, expected {elems}", got.len())));
+        return Err(Error::wrong(kind, format!("rank {who} got {} elements, expected {elems}", got.len())));
     }
     let quantized: &[u16] = match kind {
         Kind::Reduce => &ranks[1.min(ranks.len())..],
@@ -183,11 +186,14 @@ fn check_f32_sum(kind: Kind, ranks: &[u16], got: &[f32], elems: usize, who: u16,
             let tol = quantized.len() as f64 / (2.0 * s) + ulp(got[i]) / 2.0 + abs * n * f64::EPSILON;
             let err = (f64::from(got[i]) - exact).abs();
             if err.is_nan() || err > tol {
-                return Err(Error::Usage(format!(
-                    "{kind} check (float32 sum): rank {who} element {i} is {:e}, expected {exact:e} within {tol:.3e} \
+                return Err(Error::wrong(
+                    format!("{kind} (float32 sum)"),
+                    format!(
+                        "rank {who} element {i} is {:e}, expected {exact:e} within {tol:.3e} \
                      (the quantization bound of docs/AGGREGATION.md; ranks {ranks:?})",
-                    got[i]
-                )));
+                        got[i]
+                    ),
+                ));
             }
         }
     }
@@ -223,7 +229,10 @@ impl BenchElem for f32 {
     }
     fn check(kind: Kind, op: AggOp, ranks: &[u16], got: &[f32], who: u16, chunk: usize) -> Result<()> {
         if op != AggOp::Sum {
-            return Err(Error::Usage(format!("float32 {kind} benchmark: only sum is checked, not {op:?}")));
+            return Err(Error::setting(
+                format!("float32 {kind} benchmark"),
+                format!("only sum is checked, not {op:?}"),
+            ));
         }
         check_f32_sum(kind, ranks, got, got.len(), who, chunk)
     }
@@ -284,14 +293,12 @@ impl Gate {
     }
 }
 
-const BROKEN: &str = "another rank of the benchmark failed (see its error)";
-
 fn broken() -> Error {
-    Error::Usage(BROKEN.into())
+    Error::OtherRankFailed
 }
 
 fn is_broken(e: &Error) -> bool {
-    matches!(e, Error::Usage(m) if m == BROKEN)
+    matches!(e, Error::OtherRankFailed)
 }
 
 /// Keeps the error that caused a run to fail: the first that is not just
@@ -403,7 +410,10 @@ impl AggHarness {
         let group = &group;
         let senders_ranks: Vec<u16> = group.members.iter().skip(1).take(senders).map(|m| m.rank).collect();
         if senders_ranks.len() < senders {
-            return Err(Error::Usage(format!("the cluster has {} senders, asked for {senders}", senders_ranks.len())));
+            return Err(Error::setting(
+                format!("{senders} senders"),
+                format!("the cluster has {}", senders_ranks.len()),
+            ));
         }
         // Reduce: the root contributes its own data too (folded in by its
         // runtime); allreduce: the aggregator service only combines.
@@ -434,7 +444,7 @@ impl AggHarness {
                 let h = s.spawn(move || -> Result<()> {
                     let setup = || -> Result<Aggregator> {
                         enter_host(sub, agg_rank)?;
-                        Aggregator::new(sub, agg_rank, choice, cfg.clone())
+                        Ok(Aggregator::new(sub, agg_rank, choice, cfg.clone())?)
                     };
                     let mut a = match setup() {
                         Ok(a) => {
@@ -442,14 +452,17 @@ impl AggHarness {
                             a
                         }
                         Err(e) => {
-                            let _ = ready_tx.send(Err(Error::Usage(format!("aggregator: {e}"))));
+                            let _ = ready_tx.send(Err(Error::Host {
+                                what: "starting the aggregator".into(),
+                                detail: e.to_string(),
+                            }));
                             return Err(e);
                         }
                     };
                     let c0 = thread_cpu_time();
                     let r = a.serve(stop);
                     *service_cpu.lock().map_err(|_| poisoned())? = thread_cpu_time() - c0;
-                    r
+                    Ok(r?)
                 });
                 match ready_rx.recv_timeout(Duration::from_secs(20)) {
                     Ok(Ok(())) => {}
@@ -518,14 +531,14 @@ impl AggHarness {
             }
             let mut first_err = None;
             for h in handles {
-                let r = h.join().map_err(|_| Error::Usage("a benchmark rank panicked".into()))?;
+                let r = h.join().map_err(|_| Error::panicked("a benchmark rank"))?;
                 if let Err(e) = r {
                     keep_cause(&mut first_err, e);
                 }
             }
             stop.store(true, Ordering::Relaxed);
             if let Some(h) = service {
-                let r = h.join().map_err(|_| Error::Usage("the aggregator panicked".into()))?;
+                let r = h.join().map_err(|_| Error::panicked("the aggregator"))?;
                 if let Err(e) = r {
                     keep_cause(&mut first_err, e);
                 }
@@ -612,7 +625,7 @@ pub(super) fn enter_host(group: &Group, rank: u16) -> Result<()> {
 }
 
 pub(super) fn poisoned() -> Error {
-    Error::Usage("a benchmark thread panicked while holding a lock".into())
+    Error::panicked("a benchmark thread holding a lock")
 }
 
 pub fn print_agg_row(r: &AggRecord) {

@@ -19,11 +19,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::cluster::{ClusterGuard, ClusterSpec};
+use crate::error::{Error, Result};
 use kccl::bcast::{thread_cpu_time, Broadcaster, Path, PathChoice, Receiver};
 use kccl::group::Group;
 use kccl::netns;
 use kccl::wire::HDR_LEN;
-use kccl::{Error, Result};
 
 use super::{fnv1a, percentile, process_cpu_time};
 
@@ -139,7 +139,7 @@ impl BcastHarness {
                 f(self, &mut b)
             })
             .join()
-            .map_err(|_| Error::Usage("the sender thread panicked".into()))?
+            .map_err(|_| Error::panicked("the sender thread"))?
         })
     }
 
@@ -152,15 +152,20 @@ impl BcastHarness {
         let mut last: Option<Completion> = None;
         while count < n {
             let left = deadline.saturating_duration_since(Instant::now());
-            let next =
-                self.done_rx.lock().map_err(|_| Error::Usage("receiver channel poisoned".into()))?.recv_timeout(left);
+            let next = self
+                .done_rx
+                .lock()
+                .map_err(|_| Error::panicked("a receiver thread holding the channel"))?
+                .recv_timeout(left);
             match next {
                 Ok(d) => {
                     if d.seq != seq || d.rank as usize > n || got[d.rank as usize] {
                         continue; // a late message of a lost iteration
                     }
                     if d.len != len || d.hash != hash {
-                        return Err(Error::Usage(format!(
+                        return Err(Error::wrong(
+                            "broadcast",
+                            format!(
                             "rank {} received message {seq} with wrong bytes ({} bytes, hash {:x}; expected {len}, {hash:x})",
                             d.rank, d.len, d.hash
                         )));
@@ -177,7 +182,7 @@ impl BcastHarness {
                 }
                 Err(RecvTimeoutError::Timeout) => return Ok(None),
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(Error::Usage("receiver threads ended unexpectedly".into()))
+                    return Err(Error::panicked("the receiver threads (they ended unexpectedly)"))
                 }
             }
         }
@@ -224,7 +229,9 @@ impl BcastHarness {
         size: usize,
         iters: usize,
     ) -> Result<Vec<BcastRecord>> {
-        let len = size.checked_sub(HDR_LEN).ok_or_else(|| Error::Usage(format!("size {size} < header {HDR_LEN}")))?;
+        let len = size.checked_sub(HDR_LEN).ok_or_else(|| {
+            Error::setting(format!("size {size}"), format!("smaller than the {HDR_LEN}-byte kccl header"))
+        })?;
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + n) as u8).collect();
         let hash = fnv1a(&data);
         let dests: Vec<u16> = (1..=n as u16).collect();
@@ -337,7 +344,7 @@ fn spawn_receiver(
                 if let Some(ns) = group.member(rank.into())?.netns.as_deref() {
                     netns::enter(ns)?;
                 }
-                Receiver::new(&group, rank)
+                Ok(Receiver::new(&group, rank)?)
             };
             let mut r = match setup() {
                 Ok(r) => {
@@ -364,7 +371,7 @@ fn spawn_receiver(
                             return;
                         }
                     }
-                    Err(Error::Timeout { .. }) => {}
+                    Err(kccl::Error::Timeout { .. }) => {}
                     Err(e) => {
                         eprintln!("kccl: receiver {rank}: {e}");
                         return;

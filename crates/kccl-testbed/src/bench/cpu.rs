@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use super::agg::{check, enter_host, guarded, poisoned, rank_data, serve_until, CpuRecord, Gate, Kind};
 use crate::cluster::{ClusterGuard, ClusterSpec};
+use crate::error::{Error, Result};
 use kccl::agg::{AggConfig, AggOp, Collective};
 use kccl::bcast::{thread_cpu_time, Path, PathChoice};
-use kccl::{Error, Result};
 
 /// Aggregator CPU under a paced load (`kccl bench cpu`): `senders` ranks
 /// reduce a `bytes` vector to host 0 every `period`, for `duration`.
@@ -30,7 +30,10 @@ pub fn measure_cpu(
 ) -> Result<CpuRecord> {
     let guard = ClusterGuard::up(&ClusterSpec::new(name, senders + 1))?;
     let group = guard.cluster.group.clone();
-    let agg_ns = group.members[0].netns.clone().ok_or_else(|| Error::Usage("host 0 has no namespace".into()))?;
+    let agg_ns = group.members[0]
+        .netns
+        .clone()
+        .ok_or_else(|| Error::setting("host 0", "has no namespace (the CPU benchmark needs the virtual cluster)"))?;
     let napi_pid = threaded_napi(&crate::cluster::switch_netns(&guard.cluster.name), "h0", &agg_ns)?;
     pin(napi_pid, 1)?;
     let elems = bytes / 4;
@@ -99,7 +102,7 @@ pub fn measure_cpu(
         }
         let mut first = None;
         for h in hs {
-            if let Err(e) = h.join().map_err(|_| Error::Usage("a benchmark rank panicked".into()))? {
+            if let Err(e) = h.join().map_err(|_| Error::panicked("a benchmark rank"))? {
                 first.get_or_insert(e);
             }
         }
@@ -139,9 +142,12 @@ fn threaded_napi(switch_ns: &str, port: &str, ns: &str) -> Result<i32> {
             return Ok(pid);
         }
         if Instant::now() > deadline {
-            return Err(Error::Usage(format!(
-                "no threaded NAPI kernel thread appeared for eth0 in {ns} (needs kernel support for /sys/class/net/*/threaded)"
-            )));
+            return Err(Error::Host {
+                what: "threaded NAPI".into(),
+                detail: format!(
+                    "no threaded NAPI kernel thread appeared for eth0 in {ns} (needs kernel support for /sys/class/net/*/threaded)"
+                ),
+            });
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -165,10 +171,10 @@ fn napi_threads() -> Result<Vec<i32>> {
 fn schedstat_ns(pid: i32) -> Result<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
         .map_err(|e| Error::io(format!("reading /proc/{pid}/schedstat"), e))?;
-    s.split_whitespace()
-        .next()
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| Error::Usage(format!("unexpected /proc/{pid}/schedstat: {s:?}")))
+    s.split_whitespace().next().and_then(|v| v.parse().ok()).ok_or_else(|| Error::Host {
+        what: format!("/proc/{pid}/schedstat"),
+        detail: format!("unexpected contents {s:?}"),
+    })
 }
 
 /// Pins task `pid` (0: the calling thread) to `cpu` (if the machine has it).
@@ -180,7 +186,7 @@ fn pin(pid: i32, cpu: usize) -> Result<()> {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         if libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(Error::last_os(format!("pinning task {pid} to CPU {cpu}")));
+            return Err(Error::io(format!("pinning task {pid} to CPU {cpu}"), std::io::Error::last_os_error()));
         }
     }
     Ok(())
@@ -190,11 +196,11 @@ fn run(cmd: &str, args: &[&str]) -> Result<()> {
     let out =
         std::process::Command::new(cmd).args(args).output().map_err(|e| Error::io(format!("running {cmd}"), e))?;
     if !out.status.success() {
-        return Err(Error::Usage(format!(
-            "`{cmd} {}` failed: {} (make setup installs ethtool)",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(Error::Tool {
+            cmd: format!("{cmd} {}", args.join(" ")),
+            detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            hint: "make setup installs ethtool".into(),
+        });
     }
     Ok(())
 }

@@ -17,11 +17,11 @@ use std::time::Duration;
 use crate::bench::agg::{AggHarness, Kind};
 use crate::bench::{percentile, BcastHarness};
 use crate::cluster;
+use crate::error::{Error, Result};
 use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
 use kccl::fault::{self, FaultConfig, FaultStats};
 use kccl::group::Group;
-use kccl::{Error, Result};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -68,16 +68,16 @@ pub struct LossRecord {
 impl LossSpec {
     pub fn validate(&self) -> Result<()> {
         if self.losses.first() != Some(&0.0) {
-            return Err(Error::Usage("--loss must start with 0 (the no-loss reference)".into()));
+            return Err(Error::setting("--loss", "must start with 0 (the no-loss reference)"));
         }
         if let Some(bad) = self.losses.iter().find(|l| !(0.0..1.0).contains(*l)) {
-            return Err(Error::Usage(format!("--loss {bad}: loss rates are probabilities in [0, 1)")));
+            return Err(Error::setting(format!("--loss {bad}"), "loss rates are probabilities in [0, 1)"));
         }
         if self.reduce_bytes == 0 || self.reduce_bytes % 4 != 0 {
-            return Err(Error::Usage("--reduce-bytes must be a positive multiple of 4".into()));
+            return Err(Error::setting("--reduce-bytes", "must be a positive multiple of 4"));
         }
         if self.bcast_bytes == 0 || self.senders == 0 || self.receivers == 0 || self.iters == 0 {
-            return Err(Error::Usage("--bcast-bytes, --senders, --receivers and --iters must be positive".into()));
+            return Err(Error::setting("--bcast-bytes, --senders, --receivers and --iters", "must be positive"));
         }
         Ok(())
     }
@@ -174,7 +174,7 @@ fn reduce_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
                 .measure(Kind::Reduce, AggOp::Sum, spec.senders, &[choice], &[spec.reduce_bytes], spec.iters, &cfg)?
                 .into_iter()
                 .next()
-                .ok_or_else(|| Error::Usage("the reduce harness returned no result".into()))?;
+                .ok_or_else(|| Error::wrong("reduce", "the harness returned no result"))?;
             let d = faults.stats()?.delta(&before);
             let mut row = LossRecord {
                 collective: "reduce",
@@ -316,7 +316,7 @@ mod tests {
             LossSpec { reduce_bytes: 6, ..ok.clone() },
             LossSpec { iters: 0, ..ok.clone() },
         ] {
-            assert!(matches!(bad.validate(), Err(Error::Usage(_))), "{bad:?}");
+            assert!(matches!(bad.validate(), Err(Error::BadSetting { .. })), "{bad:?}");
         }
     }
 }

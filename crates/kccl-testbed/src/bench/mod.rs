@@ -10,7 +10,7 @@ pub mod loss;
 
 use std::time::Duration;
 
-use kccl::{Error, Result};
+use crate::error::{Error, Result};
 
 pub use bcast::{print_rows, BcastHarness, BcastRecord};
 
@@ -54,7 +54,8 @@ pub fn write_outputs<T: serde::Serialize>(
     plot: Option<&std::path::Path>,
     kind: &str,
 ) -> Result<()> {
-    let text = serde_json::to_string_pretty(records).map_err(|e| Error::Usage(format!("serializing results: {e}")))?;
+    let text = serde_json::to_string_pretty(records)
+        .map_err(|e| Error::Host { what: "serializing results as JSON".into(), detail: e.to_string() })?;
     std::fs::write(json, text).map_err(|e| Error::io(format!("writing {}", json.display()), e))?;
     if let Some(png) = plot {
         let out = std::process::Command::new(python())
@@ -66,11 +67,11 @@ pub fn write_outputs<T: serde::Serialize>(
             .output()
             .map_err(|e| Error::io("running python3 for the plot (make setup installs matplotlib)", e))?;
         if !out.status.success() {
-            return Err(Error::Usage(format!(
-                "plotting {} failed: {} (make setup installs python3-matplotlib)",
-                png.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(Error::Tool {
+                cmd: format!("python3 plot.py {kind} {} {}", json.display(), png.display()),
+                detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                hint: "make setup installs python3-matplotlib".into(),
+            });
         }
     }
     Ok(())

@@ -45,16 +45,15 @@ pub(super) fn check_gemm(c: &[f32], want: &[f64], mag: &[f64], n: usize) -> Resu
     let nu = n as f64 * f64::from(f32::EPSILON) / 2.0;
     let gamma = nu / (1.0 - nu);
     if c.len() != want.len() {
-        return Err(Error::Usage(format!("GEMM check: {} entries, expected {}", c.len(), want.len())));
+        return Err(Error::wrong("GEMM", format!("{} entries, expected {}", c.len(), want.len())));
     }
     for (idx, ((&got, &w), &m)) in c.iter().zip(want).zip(mag).enumerate() {
         let tol = gamma * m + m * 1e-12;
         if (f64::from(got) - w).abs() > tol || got.is_nan() {
-            return Err(Error::Usage(format!(
-                "GEMM check: C[{}][{}] = {got}, expected {w} within {tol:.3e}",
-                idx / n,
-                idx % n
-            )));
+            return Err(Error::wrong(
+                "GEMM",
+                format!("C[{}][{}] = {got}, expected {w} within {tol:.3e}", idx / n, idx % n),
+            ));
         }
     }
     Ok(())

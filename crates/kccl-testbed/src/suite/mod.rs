@@ -27,10 +27,10 @@ use crate::bench::agg::{rank_value, AggHarness, AggRecord, Kind, RootWork};
 use crate::bench::cpu::measure_cpu;
 use crate::bench::{percentile, write_outputs, BcastHarness, BcastRecord};
 use crate::cluster;
+use crate::error::{Error, Result};
 use crate::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
 use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
-use kccl::{Error, Result};
 
 mod agg;
 mod bcast;
@@ -115,7 +115,7 @@ impl FromStr for Experiment {
     fn from_str(s: &str) -> Result<Experiment> {
         Experiment::ALL.into_iter().find(|e| e.name() == s.trim()).ok_or_else(|| {
             let names: Vec<&str> = Experiment::ALL.iter().map(|e| e.name()).collect();
-            Error::Usage(format!("unknown experiment '{s}': choose from {} (or all)", names.join(", ")))
+            Error::setting(format!("unknown experiment '{s}'"), format!("choose from {} (or all)", names.join(", ")))
         })
     }
 }
@@ -131,7 +131,7 @@ pub fn parse_experiments(list: &[String]) -> Result<Vec<Experiment>> {
         out.push(s.parse()?);
     }
     if out.is_empty() {
-        return Err(Error::Usage("--experiments: name at least one experiment (or all)".into()));
+        return Err(Error::setting("--experiments", "name at least one experiment (or all)"));
     }
     out.sort();
     out.dedup();
@@ -169,26 +169,26 @@ impl SuiteSpec {
     /// (it is created) and at least one experiment is named.
     pub fn validate(&self) -> Result<()> {
         if self.experiments.is_empty() {
-            return Err(Error::Usage("no experiment selected".into()));
+            return Err(Error::setting("--experiments", "no experiment selected"));
         }
         if self.out.exists() && !self.out.is_dir() {
-            return Err(Error::Usage(format!(
-                "--out {}: exists and is not a directory (the suite writes one JSON and one PNG per experiment and summary.md into it)",
-                self.out.display()
-            )));
+            return Err(Error::setting(
+                format!("--out {}", self.out.display()),
+                "exists and is not a directory (the suite writes one JSON and one PNG per experiment and summary.md into it)",
+            ));
         }
         if self.max_bytes < 4 {
-            return Err(Error::Usage(format!("--max-bytes {}: must be at least 4", self.max_bytes)));
+            return Err(Error::setting(format!("--max-bytes {}", self.max_bytes), "must be at least 4"));
         }
         if let Some(w) = self.workers.as_ref().and_then(|w| w.iter().find(|&&w| !(1..=64).contains(&w))) {
-            return Err(Error::Usage(format!("--workers {w}: param-server runs 1 to 64 workers")));
+            return Err(Error::setting(format!("--workers {w}"), "param-server runs 1 to 64 workers"));
         }
         if let Some(e) = self.corrupt.filter(|e| !CORRUPTIBLE.contains(e)) {
             let names: Vec<&str> = CORRUPTIBLE.iter().map(|e| e.name()).collect();
-            return Err(Error::Usage(format!(
-                "{CORRUPT_ENV}={e}: only the checks of {} can be corrupted",
-                names.join(", ")
-            )));
+            return Err(Error::setting(
+                format!("{CORRUPT_ENV}={e}"),
+                format!("only the checks of {} can be corrupted", names.join(", ")),
+            ));
         }
         Ok(())
     }
@@ -545,7 +545,10 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     if spec.peers && spec.experiments.iter().any(|e| e.uses_peers()) {
         for p in [Peer::Gloo, Peer::Mpi] {
             if let Err(e) = peers::check_installed(p) {
-                return Err(Error::Usage(format!("{e} (or run the suite with --no-peers)")));
+                return Err(Error::setting(
+                    "the peers (Gloo, Open MPI)",
+                    format!("{e} (or run the suite with --no-peers)"),
+                ));
             }
         }
     }
