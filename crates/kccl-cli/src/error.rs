@@ -21,6 +21,10 @@ pub enum Error {
     #[error("{what} needs root (CAP_NET_ADMIN and CAP_BPF); run it with sudo")]
     NotRoot { what: String },
 
+    /// The demo's verdict found wrong results or failed runs (it names them).
+    #[error("the demo found {bad} of {runs} runs wrong or failed (the verdict above names them)")]
+    DemoFailed { bad: usize, runs: usize },
+
     #[error("{step}: {source}")]
     Io {
         step: String,

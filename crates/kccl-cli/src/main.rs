@@ -22,6 +22,7 @@ mod error;
 mod loss_cmd;
 mod peers_cmd;
 mod suite_cmd;
+mod verdict;
 
 #[derive(Parser)]
 #[command(name = "kccl", version, about = "In-kernel collective communication (eBPF) for ordinary Linux hosts")]
@@ -48,7 +49,7 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
-    /// Builds a 10-host cluster, runs broadcast through both paths, compares.
+    /// Builds a 10-host cluster, runs broadcast, reduce and allreduce through both paths, ends with a verdict.
     Demo(demo::DemoArgs),
     /// Inject loss, duplication and reordering of kccl packets at a host's egress
     /// (stays installed after exit; --clear removes it, --stats prints counters).

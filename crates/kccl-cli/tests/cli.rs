@@ -28,7 +28,7 @@ use kccl::error::is_root;
 
 #[path = "../../kccl/tests/support/mod.rs"]
 mod support;
-use support::{pattern, root_or_skip};
+use support::{command_with, non_root_prefix, pattern, root_or_skip};
 
 const KCCL: &str = env!("CARGO_BIN_EXE_kccl");
 
@@ -69,14 +69,7 @@ fn s(p: &Path) -> &str {
 
 /// Runs `kccl ARGS` (optionally through a prefix such as setpriv) and waits.
 fn run_with(prefix: &[&str], args: &[&str]) -> Output {
-    let mut cmd = match prefix.split_first() {
-        Some((p, rest)) => {
-            let mut c = Command::new(p);
-            c.args(rest).arg(KCCL);
-            c
-        }
-        None => Command::new(KCCL),
-    };
+    let mut cmd = command_with(prefix, KCCL);
     cmd.args(args).stdin(Stdio::null()).output().expect("running kccl")
 }
 
@@ -514,25 +507,7 @@ fn end_to_end_in_a_3_host_cluster() {
 fn non_root_auto_falls_back_kernel_needs_root() {
     let test = "non_root_auto_falls_back_kernel_needs_root";
     // As root, drop to nobody for the sender; as anyone else, run directly.
-    let nobody: &[&str] = &["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"];
-    let prefix: &[&str] = if is_root() { nobody } else { &[] };
-    if is_root() {
-        match Command::new(nobody[0]).args(&nobody[1..]).arg(KCCL).arg("--version").output() {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => {
-                println!(
-                    "SKIPPED {test}: {KCCL} cannot be run as nobody (needs every directory on its path to be \
-                     searchable by others): {}",
-                    err_of(&o).trim()
-                );
-                return;
-            }
-            Err(e) => {
-                println!("SKIPPED {test}: cannot run setpriv to become nobody: {e}");
-                return;
-            }
-        }
-    }
+    let Some(prefix) = non_root_prefix(test, KCCL) else { return };
     let dir = Scratch::new("nobody");
     let ports = free_ports(2);
     // iface "lo" exists: the only reason left for the kernel path to fail is root.

@@ -643,7 +643,8 @@ pub fn print_agg_row(r: &AggRecord) {
     );
 }
 
-fn print_agg_ratio(rows: &[AggRecord]) {
+/// Prints the kernel/user ratios of one point's rows (nothing without both paths).
+pub fn print_agg_ratio(rows: &[AggRecord]) {
     let k = rows.iter().find(|r| r.path == Path::Kernel);
     let u = rows.iter().find(|r| r.path == Path::User);
     if let (Some(k), Some(u)) = (k, u) {

@@ -28,6 +28,47 @@ pub fn root_or_skip(test: &str, why: &str) -> bool {
     false
 }
 
+/// The command prefix that runs a program as user `nobody` (from root).
+pub const AS_NOBODY: &[&str] = &["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"];
+
+/// A command running `bin` through `prefix` (e.g. [`AS_NOBODY`]), or directly
+/// when `prefix` is empty.
+pub fn command_with(prefix: &[&str], bin: &str) -> Command {
+    match prefix.split_first() {
+        Some((p, rest)) => {
+            let mut c = Command::new(p);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
+/// The prefix that runs `bin` without root: [`AS_NOBODY`] as root, nothing
+/// otherwise; None (after a visible `SKIPPED <test>` line) when root cannot
+/// run `bin` as nobody, e.g. a directory on its path is not searchable by
+/// others.
+pub fn non_root_prefix(test: &str, bin: &str) -> Option<&'static [&'static str]> {
+    if !kccl::error::is_root() {
+        return Some(&[]);
+    }
+    match Command::new(AS_NOBODY[0]).args(&AS_NOBODY[1..]).arg(bin).arg("--version").output() {
+        Ok(o) if o.status.success() => Some(AS_NOBODY),
+        Ok(o) => {
+            println!(
+                "SKIPPED {test}: {bin} cannot be run as nobody (needs every directory on its path to be \
+                 searchable by others): {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            None
+        }
+        Err(e) => {
+            println!("SKIPPED {test}: cannot run setpriv to become nobody: {e}");
+            None
+        }
+    }
+}
+
 /// `len` deterministic bytes; different salts give different bytes, so a
 /// receiver that got the wrong message (or bytes of another) is caught.
 pub fn pattern(len: usize, salt: u64) -> Vec<u8> {
