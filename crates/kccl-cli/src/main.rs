@@ -35,24 +35,42 @@ struct Cli {
 enum Cmd {
     /// A local virtual cluster of hosts in network namespaces.
     #[command(subcommand)]
+    #[command(after_help = "Example: sudo kccl cluster up --hosts 10")]
     Cluster(ClusterCmd),
     /// Broadcast a file (or stdin) from one rank to others.
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h0 -- kccl broadcast --group /run/kccl/clusters/kccl/group.toml --rank 0 --to 1-9 model.bin"
+    )]
     Broadcast(BroadcastArgs),
     /// Receive broadcast messages and write them to stdout or a file.
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h3 -- kccl receive --group /run/kccl/clusters/kccl/group.toml --rank 3 --count 1 --out model.bin"
+    )]
     Receive(ReceiveArgs),
     /// Run the group's allreduce aggregator (the rank named by `aggregator = <rank>`).
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h0 -- kccl aggregator --group /run/kccl/clusters/kccl/group.toml --rank 0 --seconds 60"
+    )]
     Aggregator(AggregatorArgs),
     /// Reduce a vector (generated or from a file) across the group to a root; the root prints a checksum.
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h2 -- kccl reduce --group /run/kccl/clusters/kccl/group.toml --rank 2 --root 0 --count 1048576"
+    )]
     Reduce(agg_cmd::ReduceArgs),
     /// Allreduce a vector through the group's aggregator; every member prints a checksum.
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h2 -- kccl allreduce --group /run/kccl/clusters/kccl/group.toml --rank 2 --dtype f32 --input grads.f32 --out sum.f32"
+    )]
     Allreduce(agg_cmd::CollectiveArgs),
     /// Benchmarks.
     #[command(subcommand)]
+    #[command(after_help = "Example: sudo kccl bench reduce --sizes 67108864")]
     Bench(BenchCmd),
     /// Builds a 10-host cluster, runs broadcast, reduce and allreduce through both paths, ends with a verdict.
     Demo(demo::DemoArgs),
     /// Inject loss, duplication and reordering of kccl packets at a host's egress
     /// (stays installed after exit; --clear removes it, --stats prints counters).
+    #[command(after_help = "Example: sudo kccl fault --host h3 --loss 0.01 --seed 7")]
     Fault(FaultArgs),
 }
 
@@ -86,6 +104,7 @@ struct FaultArgs {
 #[derive(Subcommand)]
 enum ClusterCmd {
     /// Create N hosts and write a group file.
+    #[command(after_help = "Example: sudo kccl cluster up --hosts 10 --name lab")]
     Up {
         #[arg(long)]
         hosts: usize,
@@ -97,11 +116,13 @@ enum ClusterCmd {
         job: u32,
     },
     /// Remove everything `cluster up` made for NAME.
+    #[command(after_help = "Example: sudo kccl cluster down --name lab")]
     Down {
         #[arg(long, default_value = "kccl")]
         name: String,
     },
     /// Run a command inside a host: kccl cluster exec h3 -- CMD ARGS...
+    #[command(after_help = "Example: sudo kccl cluster exec h3 --name lab -- ip -br addr")]
     Exec {
         host: String,
         #[arg(long, default_value = "kccl")]
@@ -183,18 +204,25 @@ struct AggregatorArgs {
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Broadcast latency and sender CPU, kernel vs user-space path, same run.
+    #[command(after_help = "Example: sudo kccl bench broadcast --receivers 9 --sizes 1472 --iters 1000")]
     Broadcast(BenchBroadcastArgs),
     /// Reduce throughput (aggregated elements per second), kernel vs user path.
+    #[command(after_help = "Example: sudo kccl bench reduce --senders 4 --sizes 67108864 --iters 5")]
     Reduce(agg_cmd::BenchAggArgs),
     /// Allreduce throughput, kernel vs user path.
+    #[command(after_help = "Example: sudo kccl bench allreduce --sizes 1048576,16777216 --plot allreduce.png")]
     Allreduce(agg_cmd::BenchAggArgs),
     /// Aggregator CPU use vs number of senders at a paced load, kernel vs user path.
+    #[command(after_help = "Example: sudo kccl bench cpu --senders 2,8,30 --period-ms 10")]
     Cpu(agg_cmd::BenchCpuArgs),
     /// Reduce and broadcast throughput under injected loss, relative to no loss, both paths.
+    #[command(after_help = "Example: sudo kccl bench loss --loss 0,0.01 --seed 7")]
     Loss(loss_cmd::BenchLossArgs),
     /// Gloo or Open MPI doing the same collective on a virtual cluster (`make setup-peers` installs them).
+    #[command(after_help = "Example: sudo kccl bench peers --peer gloo --op reduce --bytes 67108864 --ranks 5")]
     Peers(peers_cmd::PeersArgs),
     /// The whole suite (AggBox/sgbpf experiments, kernel vs user path vs Gloo and Open MPI): JSON, PNG, summary.md.
+    #[command(after_help = "Example: sudo kccl bench all --experiments agg-throughput --max-bytes 16777216")]
     All(suite_cmd::SuiteArgs),
 }
 
@@ -478,4 +506,58 @@ fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
         a.plot.as_ref().map(|p| format!(" and {}", p.display())).unwrap_or_default()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::{CommandFactory, Parser};
+
+    /// Every command below `kccl` with its full name ("kccl bench reduce") and its after-help text.
+    fn commands(cmd: &clap::Command, name: &str, out: &mut Vec<(String, Option<String>)>) {
+        for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+            let full = format!("{name} {}", sub.get_name());
+            out.push((full.clone(), sub.get_after_help().map(|h| h.to_string())));
+            commands(sub, &full, out);
+        }
+    }
+
+    /// The command lines an example runs: itself without `sudo`, and the
+    /// kccl command that `kccl cluster exec HOST -- kccl ...` runs inside a host.
+    fn example_command_lines(example: &str) -> Vec<Vec<&str>> {
+        let words: Vec<&str> = example.split_whitespace().skip_while(|w| *w == "sudo").collect();
+        let mut lines = vec![words.clone()];
+        if let Some(dash) = words.iter().position(|w| *w == "--") {
+            if words.get(dash + 1) == Some(&"kccl") {
+                lines.push(words[dash + 1..].to_vec());
+            }
+        }
+        lines
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_subcommand_help_has_an_example_that_parses() {
+        let mut all = Vec::new();
+        commands(&Cli::command(), "kccl", &mut all);
+        assert!(all.len() >= 18, "found only {} subcommands", all.len());
+        for (name, help) in all {
+            let help = help.unwrap_or_else(|| panic!("`{name} --help` has no example line"));
+            let example = help
+                .strip_prefix("Example: ")
+                .unwrap_or_else(|| panic!("`{name} --help` ends with {help:?}, not \"Example: ...\""));
+            let lines = example_command_lines(example);
+            let shown = lines.last().map(|l| l.join(" ")).unwrap_or_default();
+            assert!(shown.starts_with(&name), "the example of `{name}` runs another command: {example}");
+            for line in lines {
+                if let Err(e) = Cli::try_parse_from(&line) {
+                    panic!("the example of `{name}` does not parse ({}): {e}", line.join(" "));
+                }
+            }
+        }
+    }
 }
