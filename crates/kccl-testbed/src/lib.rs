@@ -13,5 +13,6 @@ pub mod bench;
 pub mod cluster;
 pub mod error;
 pub mod peers;
+pub mod progress;
 pub mod suite;
 pub use error::{Error, Result};
