@@ -8,6 +8,7 @@ use clap::Args;
 use kccl::bcast::Path;
 use kccl_testbed::bench::loss::{self, LossRecord, LossSpec};
 use kccl_testbed::bench::write_outputs;
+use kccl_testbed::progress::Progress;
 
 #[derive(Args)]
 pub struct BenchLossArgs {
@@ -60,7 +61,7 @@ pub fn bench(mut a: BenchLossArgs) -> Result<()> {
         "== throughput under loss on every link (seed {}): reduce {} B x {} senders, broadcast {} B to {} receivers",
         spec.seed, spec.reduce_bytes, spec.senders, spec.bcast_bytes, spec.receivers
     );
-    let rows: Vec<LossRecord> = loss::run(&spec)?;
+    let rows: Vec<LossRecord> = loss::run(&spec, &Progress::new("kccl bench loss"))?;
     for r in rows.iter().filter(|r| r.path == Path::Kernel && r.loss == 0.01) {
         println!(
             "  {} kernel path at 1% loss: {:.2}x of no loss (target >= 0.8x): {}",

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use clap::Args;
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 use kccl_testbed::peers::{self, DType, Peer, PeerOp, PeerSpec};
+use kccl_testbed::progress::Progress;
 
 #[derive(Args)]
 pub struct PeersArgs {
@@ -69,7 +70,17 @@ fn measure(a: PeersArgs) -> Result<()> {
             (g.cluster.clone(), Some(g))
         }
     };
-    let r = peers::run(&cluster, &spec)?;
+    let progress = Progress::new("kccl bench peers");
+    progress.stage(format!("{peer} {op} of {} B, {} ranks", spec.bytes(), spec.ranks));
+    progress.plan(&[1]);
+    progress.point(format!("{} warm-up + {} timed iterations", spec.warmup, spec.iters));
+    let mut on_iteration = |done, total| {
+        progress.detail(format!("iteration {done}/{total}"));
+        progress.fraction(done, total);
+    };
+    let r = peers::run_reporting(&cluster, &spec, Some(&mut on_iteration))?;
+    progress.finish();
+    drop(progress);
     println!("{}", r.summary());
     let text = serde_json::to_string_pretty(&r)
         .map_err(|e| Error::io("serializing results as JSON", std::io::Error::other(e)))?;

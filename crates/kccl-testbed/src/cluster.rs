@@ -35,6 +35,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::error::{Error, Result};
+use crate::progress::Progress;
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
 use kccl::netns;
@@ -51,6 +52,9 @@ pub const MAX_NAME_LEN: usize = 12;
 /// Host counts `up` accepts.
 pub const MIN_HOSTS: usize = 2;
 pub const MAX_HOSTS: usize = 1000;
+
+/// `up` shows its progress (stderr) for clusters larger than this.
+pub const PROGRESS_FROM_HOSTS: usize = 50;
 
 /// Interface name of the host side of each veth.
 const HOST_IFACE: &str = "eth0";
@@ -373,6 +377,19 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
             ),
         ));
     }
+    // Bring-up takes a while from about 50 hosts (the per-host neighbour
+    // tables grow with the square): say where it is.
+    let progress = if spec.hosts > PROGRESS_FROM_HOSTS {
+        Progress::new(&format!("kccl cluster up {name}"))
+    } else {
+        Progress::hidden()
+    };
+    progress.stage(format!("{} hosts", spec.hosts));
+    let mut plan = vec![spec.hosts as u64 / 4];
+    plan.extend(std::iter::repeat_n(1, spec.hosts));
+    plan.push(spec.hosts as u64 / 4);
+    progress.plan(&plan);
+    progress.point("namespaces");
     let sw = switch_netns(name);
     let hosts: Vec<Host> = (0..spec.hosts)
         .map(|i| Host {
@@ -396,18 +413,20 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
         let undo: String = all_ns[..made.min(all_ns.len())].iter().map(|ns| format!("netns del {ns}\n")).collect();
         if !undo.is_empty() {
             if let Err(de) = ip_batch(name, None, &undo) {
-                eprintln!("kccl: cleaning up cluster '{name}' after a failed `up` also failed: {de}");
+                crate::errln!("kccl: cleaning up cluster '{name}' after a failed `up` also failed: {de}");
             }
         }
         return Err(cluster_err(name, e.msg));
     }
 
-    match build(spec, &sw, hosts, all_ns) {
+    let built = build(spec, &sw, hosts, all_ns, &progress);
+    progress.finish();
+    match built {
         Ok(c) => Ok(c),
         Err(e) => {
             // Leave nothing half-built behind; the build error is the one to report.
             if let Err(de) = down(name) {
-                eprintln!("kccl: cleaning up cluster '{name}' after a failed `up` also failed: {de}");
+                crate::errln!("kccl: cleaning up cluster '{name}' after a failed `up` also failed: {de}");
             }
             Err(e)
         }
@@ -415,7 +434,7 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
 }
 
 /// Everything after the namespaces exist; on error the caller runs `down`.
-fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) -> Result<Cluster> {
+fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>, progress: &Progress) -> Result<Cluster> {
     let name = spec.name.as_str();
 
     // 1. IPv6 off before any interface exists, so none ever gets a
@@ -443,6 +462,7 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
     let mut running: Vec<IpBatch> = Vec::new();
     let mut failures: Vec<String> = Vec::new();
     for h in &hosts {
+        progress.point(format!("h{}", h.index));
         let mut s = format!(
             "link add {HOST_IFACE} address {mac} type veth peer name h{i} netns {sw}\n\
              addr add {addr}/16 dev {HOST_IFACE}\n\
@@ -480,6 +500,7 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>) ->
 
     // 4. Switch ports into the bridge and up (this is when carrier appears
     //    on each host's eth0).
+    progress.point("switch ports and forwarding table");
     let mut s = String::new();
     for h in &hosts {
         s.push_str(&format!("link set h{} master {BRIDGE} up\n", h.index));
@@ -689,7 +710,7 @@ impl ClusterGuard {
 impl Drop for ClusterGuard {
     fn drop(&mut self) {
         if let Err(e) = down(&self.cluster.name) {
-            eprintln!("kccl: removing cluster '{}' failed: {e}", self.cluster.name);
+            crate::errln!("kccl: removing cluster '{}' failed: {e}", self.cluster.name);
         }
     }
 }

@@ -451,6 +451,16 @@ impl Proc {
 
 /// Runs `spec` on hosts 0..spec.ranks of `cluster` and returns the verified timings.
 pub fn run(cluster: &Cluster, spec: &PeerSpec) -> Result<PeerResult, PeerError> {
+    run_reporting(cluster, spec, None)
+}
+
+/// [`run`], telling `on_iteration(done, total)` twice a second how many
+/// iterations (warm-up included) rank 0 has finished.
+pub fn run_reporting(
+    cluster: &Cluster,
+    spec: &PeerSpec,
+    mut on_iteration: Option<&mut dyn FnMut(u64, u64)>,
+) -> Result<PeerResult, PeerError> {
     if spec.ranks < 2 || spec.ranks > cluster.hosts.len() {
         return Err(PeerError::Usage(format!(
             "{} ranks: cluster '{}' has {} hosts (one rank per host, at least 2)",
@@ -488,12 +498,19 @@ pub fn run(cluster: &Cluster, spec: &PeerSpec) -> Result<PeerResult, PeerError> 
     if spec.inject_mismatch {
         args.push("--inject-mismatch".into());
     }
+    let progress_file = work.0.join("progress");
+    args.push("--progress".into());
+    args.push(progress_file.display().to_string());
 
     let (mut procs, launch) = match spec.peer {
         Peer::Gloo => launch_gloo(&work, hosts, &args)?,
         Peer::Mpi => launch_mpi(&work, hosts, &args)?,
     };
-    let waited = wait_all(&mut procs, spec.timeout);
+    let waited = wait_all(&mut procs, spec.timeout, || {
+        if let (Some(f), Some((done, total))) = (on_iteration.as_mut(), read_progress(&progress_file)) {
+            f(done, total);
+        }
+    });
     for p in procs.iter_mut() {
         p.kill();
     }
@@ -642,9 +659,23 @@ fn launch_mpi(
 
 /// Waits until every process has exited, or one failed (the others are then
 /// left to the caller to stop), or `timeout`. Err: who was still running.
-fn wait_all(procs: &mut [Proc], timeout: Duration) -> Result<(), String> {
+/// "DONE TOTAL" from rank 0's progress file (absent before its first iteration).
+fn read_progress(path: &Path) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut it = text.split_whitespace().map(|w| w.parse::<u64>().ok());
+    Some((it.next()??, it.next()??))
+}
+
+/// Waits for every process (or the first failure), calling `poll` every
+/// half second while they run (rarely: the ranks being timed share 2 cores).
+fn wait_all(procs: &mut [Proc], timeout: Duration, mut poll: impl FnMut()) -> Result<(), String> {
     let end = Instant::now() + timeout;
+    let mut polled = Instant::now();
     loop {
+        if polled.elapsed() >= Duration::from_millis(500) {
+            poll();
+            polled = Instant::now();
+        }
         let mut running = Vec::new();
         for p in procs.iter_mut() {
             if p.status.is_none() {

@@ -16,6 +16,7 @@
 //! without tearing the bar.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -53,12 +54,50 @@ fn multi() -> &'static MultiProgress {
     M.get_or_init(|| MultiProgress::with_draw_target(ProgressDrawTarget::stderr()))
 }
 
+/// Bars on screen now: while there is one, output goes through [`println`].
+static BARS: AtomicUsize = AtomicUsize::new(0);
+
+/// A line on stdout, drawn above any progress bar of the process (a plain
+/// `println!` would tear the bar). The testbed's result lines use this
+/// through [`crate::outln!`].
+pub fn println(line: &str) {
+    if BARS.load(Ordering::Relaxed) > 0 {
+        multi().suspend(|| println!("{line}"));
+    } else {
+        println!("{line}");
+    }
+}
+
+/// [`println`] for stderr ([`crate::errln!`]).
+pub fn eprintln(line: &str) {
+    if BARS.load(Ordering::Relaxed) > 0 {
+        multi().suspend(|| eprintln!("{line}"));
+    } else {
+        eprintln!("{line}");
+    }
+}
+
+/// `println!` that draws above any progress bar: see [`progress::println`](crate::progress::println).
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::progress::println(&format!($($arg)*)) };
+}
+
+/// `eprintln!` that draws above any progress bar.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::progress::eprintln(&format!($($arg)*)) };
+}
+
 struct State {
     stage: String,
     stage_t0: Instant,
     weights: Vec<u64>,
-    /// Index of the point under way (== weights.len() when none is).
+    /// Number of points begun: the one under way is `weights[next - 1]`.
     next: usize,
+    /// Weight done: that of the points before the current one, plus the
+    /// share of it reported by [`Progress::fraction`].
+    pos: u64,
     point: String,
     detail: String,
     last_plain: Option<Instant>,
@@ -96,6 +135,7 @@ impl Progress {
             let pb = multi().add(ProgressBar::new(0).with_style(style));
             pb.set_prefix(what.to_owned());
             pb.enable_steady_tick(Duration::from_secs(1));
+            BARS.fetch_add(1, Ordering::Relaxed);
             pb
         });
         let st = State {
@@ -103,6 +143,7 @@ impl Progress {
             stage_t0: t0,
             weights: Vec::new(),
             next: 0,
+            pos: 0,
             point: String::new(),
             detail: String::new(),
             last_plain: None,
@@ -122,6 +163,7 @@ impl Progress {
         st.stage_t0 = Instant::now();
         st.weights.clear();
         st.next = 0;
+        st.pos = 0;
         st.point.clear();
         st.detail.clear();
         if let Some(pb) = &self.bar {
@@ -140,6 +182,7 @@ impl Progress {
         let mut st = self.state();
         st.weights = weights.iter().map(|&w| w.max(1)).collect();
         st.next = 0;
+        st.pos = 0;
         if let Some(pb) = &self.bar {
             pb.set_length(st.weights.iter().sum());
             pb.set_position(0);
@@ -151,10 +194,11 @@ impl Progress {
     pub fn point(&self, label: impl Into<String>) {
         let mut st = self.state();
         st.next += 1;
+        st.pos = done_weight(&st);
         st.point = label.into();
         st.detail.clear();
         if let Some(pb) = &self.bar {
-            pb.set_position(done_weight(&st));
+            pb.set_position(st.pos);
             pb.set_message(point_text(&st));
         }
         self.plain(&mut st, false);
@@ -174,13 +218,22 @@ impl Progress {
         self.plain(&mut st, false);
     }
 
+    /// `done` of `total` of the current point are done (never moves back).
+    pub fn fraction(&self, done: u64, total: u64) {
+        let mut st = self.state();
+        let Some(&w) = st.next.checked_sub(1).and_then(|i| st.weights.get(i)) else { return };
+        let at = done_weight(&st) + (w as f64 * done.min(total) as f64 / total.max(1) as f64) as u64;
+        if at > st.pos {
+            st.pos = at;
+            if let Some(pb) = &self.bar {
+                pb.set_position(at);
+            }
+        }
+    }
+
     /// One result line on stdout, drawn above the bar.
     pub fn say(&self, line: impl AsRef<str>) {
-        let line = line.as_ref();
-        match &self.bar {
-            Some(_) => multi().suspend(|| println!("{line}")),
-            None => println!("{line}"),
-        }
+        println(line.as_ref());
     }
 
     /// The run is over: the bar goes, plain mode says how long it took.
@@ -189,7 +242,7 @@ impl Progress {
             pb.finish_and_clear();
         }
         if self.mode == Mode::Plain {
-            eprintln!("{}: done in {}", self.what, clock(self.t0.elapsed()));
+            eprintln(&format!("{}: done in {}", self.what, clock(self.t0.elapsed())));
         }
     }
 
@@ -202,7 +255,7 @@ impl Progress {
             return;
         }
         st.last_plain = Some(now);
-        eprintln!("{}", plain_line(&self.what, st, self.t0.elapsed(), now.duration_since(st.stage_t0)));
+        eprintln(&plain_line(&self.what, st, self.t0.elapsed(), now.duration_since(st.stage_t0)));
     }
 }
 
@@ -211,6 +264,7 @@ impl Drop for Progress {
         if let Some(pb) = &self.bar {
             pb.finish_and_clear();
             multi().remove(pb);
+            BARS.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -244,7 +298,7 @@ fn point_text(st: &State) -> String {
 /// Time left of the stage, from the weight done so far at the rate so far.
 fn eta(st: &State, stage_elapsed: Duration) -> Option<Duration> {
     let total: u64 = st.weights.iter().sum();
-    let done = done_weight(st);
+    let done = st.pos;
     (done > 0 && total > done).then(|| stage_elapsed.mul_f64((total - done) as f64 / done as f64))
 }
 
@@ -282,6 +336,7 @@ mod tests {
             stage_t0: Instant::now(),
             weights: weights.to_vec(),
             next,
+            pos: weights.iter().take(next.saturating_sub(1)).sum(),
             point: point.into(),
             detail: String::new(),
             last_plain: None,
@@ -332,5 +387,21 @@ mod tests {
         p.point("past the plan");
         p.finish();
         assert_eq!(done_weight(&p.state()), 6);
+    }
+
+    #[test]
+    fn fraction_moves_within_a_point_and_never_back() {
+        let p = Progress::hidden();
+        p.plan(&[10, 10]);
+        p.fraction(1, 2); // before any point: nothing to move
+        assert_eq!(p.state().pos, 0);
+        p.point("a");
+        p.point("b");
+        p.fraction(1, 2);
+        assert_eq!(p.state().pos, 15);
+        p.fraction(1, 10);
+        assert_eq!(p.state().pos, 15);
+        p.fraction(20, 10);
+        assert_eq!(p.state().pos, 20);
     }
 }

@@ -43,6 +43,10 @@ def parse_args(peer):
     p.add_argument("--world", type=int, help="gloo only: number of ranks")
     p.add_argument("--timeout", type=float, default=120.0, help="gloo only: seconds before a collective gives up")
     p.add_argument(
+        "--progress",
+        help="rank 0 overwrites this file with 'DONE TOTAL' after each iteration (outside the timed window)",
+    )
+    p.add_argument(
         "--inject-mismatch",
         action="store_true",
         help="test of the check: rank 0 adds 1 to its first input element, so every checked result is wrong",
@@ -89,7 +93,9 @@ def run(peer, args, rank, world, barrier, prepare, op_fn, result):
     collective; result(): the numpy view to check."""
     want = expected(args.op, world, args.count, args.dtype) if checked(args.op, rank) else None
     starts, ends, cpus = [], [], []
-    for it in range(args.warmup + args.iters):
+    total = args.warmup + args.iters
+    progress_fd = os.open(args.progress, os.O_WRONLY | os.O_CREAT, 0o644) if args.progress and rank == 0 else None
+    for it in range(total):
         prepare()
         barrier()
         c0 = time.process_time_ns()
@@ -110,6 +116,9 @@ def run(peer, args, rank, world, barrier, prepare, op_fn, result):
             starts.append(t0)
             ends.append(t1)
             cpus.append(c1 - c0)
+        if progress_fd is not None:
+            # Fixed width, so a shorter figure never leaves a longer one's tail behind.
+            os.pwrite(progress_fd, f"{it + 1:>10} {total:>10}\n".encode(), 0)
     rec = {
         "peer": peer,
         "op": args.op,

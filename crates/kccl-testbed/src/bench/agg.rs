@@ -629,7 +629,7 @@ pub(super) fn poisoned() -> Error {
 }
 
 pub fn print_agg_row(r: &AggRecord) {
-    println!(
+    crate::outln!(
         "  {:<9} {:<6} senders={:<2} bytes={:<10} {:>8.2} Melem/s  p50={:>9.2}ms p99={:>9.2}ms  aggregator cpu={:>8.2}ms/op sender cpu={:>8.2}ms/op",
         r.kind.to_string(),
         r.path.to_string(),
@@ -648,7 +648,7 @@ pub fn print_agg_ratio(rows: &[AggRecord]) {
     let k = rows.iter().find(|r| r.path == Path::Kernel);
     let u = rows.iter().find(|r| r.path == Path::User);
     if let (Some(k), Some(u)) = (k, u) {
-        println!(
+        crate::outln!(
             "  ratio kernel/user: throughput {:.2}x | p50 time {:.2}x | aggregator cpu {:.2}x | sender cpu {:.2}x",
             k.elems_per_s / u.elems_per_s,
             k.p50_ms / u.p50_ms,

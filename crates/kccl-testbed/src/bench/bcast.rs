@@ -373,7 +373,7 @@ fn spawn_receiver(
                     }
                     Err(kccl::Error::Timeout { .. }) => {}
                     Err(e) => {
-                        eprintln!("kccl: receiver {rank}: {e}");
+                        crate::errln!("kccl: receiver {rank}: {e}");
                         return;
                     }
                 }
@@ -387,7 +387,7 @@ pub fn print_rows(rows: &[BcastRecord]) {
     let k = rows.iter().find(|r| r.path == Path::Kernel);
     let u = rows.iter().find(|r| r.path == Path::User);
     for r in rows {
-        println!(
+        crate::outln!(
             "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | confirmed p50={:>7.1}us re-sent={:.2} lost={}",
             r.path.to_string(),
             r.receivers,
@@ -404,7 +404,7 @@ pub fn print_rows(rows: &[BcastRecord]) {
         );
     }
     if let (Some(k), Some(u)) = (k, u) {
-        println!(
+        crate::outln!(
             "  ratio kernel/user: held p50 {:.2}x p99 {:.2}x | app p50 {:.2}x p99 {:.2}x | sender cpu {:.2}x",
             k.p50_us / u.p50_us,
             k.p99_us / u.p99_us,

@@ -12,6 +12,7 @@
 //! ones); broadcast sends one message of `bcast_bytes` to every receiver and
 //! counts it done when the last receiver holds every byte (checked by hash).
 
+use crate::progress::Progress;
 use std::time::Duration;
 
 use crate::bench::agg::{AggHarness, Kind};
@@ -134,7 +135,7 @@ fn relate(rows: &mut [LossRecord]) {
 }
 
 pub fn print_row(r: &LossRecord) {
-    println!(
+    crate::outln!(
         "  {:<9} {:<6} loss={:<7} {:>8.1} MB/s ({:>5.2}x of no loss)  p50={:>8.2}ms p99={:>8.2}ms  dropped {}/{} packets{}",
         r.collective,
         r.path.to_string(),
@@ -151,15 +152,25 @@ pub fn print_row(r: &LossRecord) {
 
 /// Runs the whole benchmark: reduce first, then broadcast, each on its own
 /// cluster, both paths at every loss rate.
-pub fn run(spec: &LossSpec) -> Result<Vec<LossRecord>> {
+/// Runs every point, reporting each on `progress` (stages "reduce" and
+/// "broadcast", one point per loss rate and path).
+pub fn run(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>> {
     spec.validate()?;
-    let mut rows = reduce_points(spec)?;
-    rows.extend(broadcast_points(spec)?);
+    // Each path at each loss rate runs the same operations; loss slows them
+    // by amounts unknown ahead, so every point weighs the same.
+    let points = vec![1; spec.losses.len() * 2];
+    progress.stage("reduce");
+    progress.plan(&points);
+    let mut rows = reduce_points(spec, progress)?;
+    progress.stage("broadcast");
+    progress.plan(&points);
+    rows.extend(broadcast_points(spec, progress)?);
+    progress.finish();
     relate(&mut rows);
     Ok(rows)
 }
 
-fn reduce_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
+fn reduce_points(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>> {
     let h = AggHarness::new(&cluster::unique_name("bloss"), spec.senders)?;
     // Single datagrams per send (also the default): the injector sees a GSO
     // send as one packet and would drop all its datagrams together, while a
@@ -169,6 +180,7 @@ fn reduce_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
     for &loss in &spec.losses {
         let faults = Faults::install(h.group(), loss, spec.seed)?;
         for choice in [PathChoice::Kernel, PathChoice::User] {
+            progress.point(format!("loss={loss} {choice:?} path"));
             let before = faults.stats()?;
             let r = h
                 .measure(Kind::Reduce, AggOp::Sum, spec.senders, &[choice], &[spec.reduce_bytes], spec.iters, &cfg)?
@@ -207,7 +219,7 @@ fn relate_one(row: &mut LossRecord, done: &[LossRecord]) {
     row.relative = v.last().map_or(f64::NAN, |r| r.relative);
 }
 
-fn broadcast_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
+fn broadcast_points(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>> {
     let h = BcastHarness::new(&cluster::unique_name("bloss"), spec.receivers)?;
     let n = spec.receivers;
     let data: Vec<u8> =
@@ -218,6 +230,7 @@ fn broadcast_points(spec: &LossSpec) -> Result<Vec<LossRecord>> {
         for &loss in &spec.losses {
             let faults = Faults::install(&group, loss, spec.seed)?;
             for path in [Path::Kernel, Path::User] {
+                progress.point(format!("loss={loss} {path:?} path"));
                 // Checked before timing: every receiver holds every byte.
                 h.verify(b, path, n, spec.bcast_bytes.min(1 << 16))?;
                 let before = faults.stats()?;

@@ -56,7 +56,7 @@ pub(super) fn kccl_reduce_repeats(
     h: &AggHarness,
     res: &mut ExperimentResult,
     acc: &mut Acc,
-    prog: &Progress,
+    prog: &ExperimentProgress<'_>,
     point: &str,
     x: f64,
     bytes: usize,
@@ -104,7 +104,7 @@ impl AggCluster {
         e: Experiment,
         prefix: &str,
         senders: usize,
-        prog: &Progress,
+        prog: &ExperimentProgress<'_>,
         what: &str,
     ) -> Result<Self> {
         let name = cluster::unique_name(prefix);
@@ -121,7 +121,7 @@ impl AggCluster {
         spec: &SuiteSpec,
         res: &mut ExperimentResult,
         acc: &mut Acc,
-        prog: &Progress,
+        prog: &ExperimentProgress<'_>,
         pp: &PeerPoint<'_>,
     ) {
         match &self.peers {
@@ -131,7 +131,7 @@ impl AggCluster {
     }
 }
 
-pub(super) fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
+pub(super) fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>) -> ExperimentResult {
     let e = Experiment::AggThroughput;
     let mut res = ExperimentResult::new(
         e,
@@ -162,8 +162,13 @@ pub(super) fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Ex
             return res;
         }
     };
+    // Time grows with the bytes; a point skipped below weighs nothing.
+    let runs =
+        |bytes: usize| bytes <= spec.max_bytes && over_memory(kccl_memory(Kind::Reduce, SENDERS, bytes)).is_none();
+    prog.plan(&sizes.iter().map(|&b| if runs(b) { (b + (1 << 20)) as u64 } else { 0 }).collect::<Vec<_>>());
     for &bytes in &sizes {
         let point = format!("bytes={bytes}");
+        prog.point(&point);
         if bytes > spec.max_bytes {
             res.skipped.push(format!("{point}: above --max-bytes {}", spec.max_bytes));
             continue;
@@ -181,7 +186,7 @@ pub(super) fn agg_throughput(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Ex
     res
 }
 
-pub(super) fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
+pub(super) fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>) -> ExperimentResult {
     let e = Experiment::AggCpu;
     let mut res = ExperimentResult::new(
         e,
@@ -202,10 +207,13 @@ pub(super) fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experimen
         period.as_millis()
     ));
     let mut acc = Acc::default();
+    // Every run takes `secs` plus the bring-up of its cluster.
+    prog.plan(&senders.iter().flat_map(|&n| std::iter::repeat_n(n as u64 + 10, reps * 2)).collect::<Vec<_>>());
     for &n in &senders {
         let point = format!("senders={n}");
         for rep in 0..reps {
             for choice in [PathChoice::Kernel, PathChoice::User] {
+                prog.point(&format!("{point} repeat {}/{reps} {choice:?} path", rep + 1));
                 prog.say(format!("{point} repeat {}/{reps}: {choice:?} path", rep + 1));
                 match measure_cpu(
                     &cluster::unique_name("su-cp"),

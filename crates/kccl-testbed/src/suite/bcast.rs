@@ -49,7 +49,7 @@ pub(super) fn bcast_plan(smoke: bool) -> BcastPlan {
     }
 }
 
-pub(super) fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
+pub(super) fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>) -> ExperimentResult {
     let plan = bcast_plan(spec.smoke);
     let by_recv = e == Experiment::BcastReceivers;
     let mut res = if by_recv {
@@ -104,10 +104,14 @@ pub(super) fn bcast(e: Experiment, spec: &SuiteSpec, env: &Env, prog: &Progress)
             return res;
         }
     };
+    // Time grows with the receivers and the packets per message.
+    let weights: Vec<u64> = points.iter().map(|&(n, size)| (n * (size + 1024)) as u64).collect();
+    prog.plan(&weights.repeat(plan.repeats));
     let measured = h.with_sender(PathChoice::Kernel, |h, b| {
         let mut out: Vec<(usize, BcastRecord)> = Vec::new();
         for rep in 0..plan.repeats {
             for &(n, size) in &points {
+                prog.point(&format!("repeat {}/{} receivers={n} size={size}", rep + 1, plan.repeats));
                 prog.say(format!("repeat {}/{}: receivers={n} size={size}", rep + 1, plan.repeats));
                 let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, plan.iters)?;
                 crate::bench::print_rows(&rows);

@@ -59,7 +59,7 @@ pub(super) fn check_gemm(c: &[f32], want: &[f64], mag: &[f64], n: usize) -> Resu
     Ok(())
 }
 
-pub(super) fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
+pub(super) fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>) -> ExperimentResult {
     let e = Experiment::AggGemm;
     let mut res = ExperimentResult::new(
         e,
@@ -89,8 +89,15 @@ pub(super) fn agg_gemm(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Experime
         }
     };
     let contributors: Vec<u16> = (0..=SENDERS as u16).collect();
+    // The reduce grows with N^2, the GEMM and its reference with N^3.
+    prog.plan(
+        &ns.iter()
+            .map(|&n| if n * n * 4 <= spec.max_bytes { (n * n * (n + 64)) as u64 } else { 0 })
+            .collect::<Vec<_>>(),
+    );
     for &n in &ns {
         let point = format!("N={n}");
+        prog.point(&point);
         let bytes = n * n * 4;
         if bytes > spec.max_bytes {
             res.skipped.push(format!("{point}: {bytes} B per rank above --max-bytes {}", spec.max_bytes));

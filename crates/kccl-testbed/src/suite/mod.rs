@@ -29,6 +29,7 @@ use crate::bench::{percentile, write_outputs, BcastHarness, BcastRecord};
 use crate::cluster;
 use crate::error::{Error, Result};
 use crate::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
+use crate::progress::Progress;
 use kccl::agg::{AggConfig, AggOp};
 use kccl::bcast::{Path, PathChoice};
 
@@ -332,18 +333,38 @@ pub fn exit_status(results: &[ExperimentResult]) -> u8 {
     u8::from(failed_count(results) > 0)
 }
 
-/// Prints where the suite is.
-struct Progress {
+/// Where the suite is: result lines on stdout prefixed with the experiment
+/// and the suite's clock, and the live progress of the run (stderr).
+pub(super) struct ExperimentProgress<'a> {
     t0: Instant,
     idx: usize,
     total: usize,
     name: &'static str,
+    live: &'a Progress,
 }
 
-impl Progress {
-    fn say(&self, msg: impl AsRef<str>) {
+impl ExperimentProgress<'_> {
+    pub(super) fn say(&self, msg: impl AsRef<str>) {
         let s = self.t0.elapsed().as_secs();
-        println!("[{}/{} {} {:02}:{:02}] {}", self.idx, self.total, self.name, s / 60, s % 60, msg.as_ref());
+        self.live.say(format!(
+            "[{}/{} {} {:02}:{:02}] {}",
+            self.idx,
+            self.total,
+            self.name,
+            s / 60,
+            s % 60,
+            msg.as_ref()
+        ));
+    }
+
+    /// The experiment's points, by expected share of its time (see [`Progress::plan`]).
+    pub(super) fn plan(&self, weights: &[u64]) {
+        self.live.plan(weights);
+    }
+
+    /// The next planned point begins.
+    pub(super) fn point(&self, label: &str) {
+        self.live.point(label);
     }
 }
 
@@ -481,7 +502,7 @@ fn run_peers(
     spec: &SuiteSpec,
     res: &mut ExperimentResult,
     acc: &mut Acc,
-    prog: &Progress,
+    prog: &ExperimentProgress<'_>,
     cl: &cluster::Cluster,
     pp: &PeerPoint<'_>,
 ) {
@@ -505,7 +526,8 @@ fn run_peers(
                     ps.warmup = w.min(ps.warmup);
                     ps.iters = n.min(ps.iters);
                 }
-                peers::run(cl, &ps)
+                let mut on_iteration = |done, total| prog.live.detail(format!("{peer} {op}: iteration {done}/{total}"));
+                peers::run_reporting(cl, &ps, Some(&mut on_iteration))
             };
             prog.say(format!("{point}: {peer} {op} ({ranks} ranks, {bytes} B {}), run {}/{runs}", pp.dtype, run_i + 1));
             match run() {
@@ -541,7 +563,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     spec.validate()?;
     std::fs::create_dir_all(&spec.out).map_err(|e| Error::io(format!("creating {}", spec.out.display()), e))?;
     let env = Env::probe();
-    println!("== kccl benchmark suite{}: {}", if spec.smoke { " (smoke)" } else { "" }, env.machine);
+    crate::outln!("== kccl benchmark suite{}: {}", if spec.smoke { " (smoke)" } else { "" }, env.machine);
     if spec.peers && spec.experiments.iter().any(|e| e.uses_peers()) {
         for p in [Peer::Gloo, Peer::Mpi] {
             if let Err(e) = peers::check_installed(p) {
@@ -556,8 +578,10 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     let total = spec.experiments.len();
     let summary = spec.out.join("summary.md");
     let mut results = Vec::new();
+    let live = Progress::new("kccl bench all");
     for (i, &e) in spec.experiments.iter().enumerate() {
-        let prog = Progress { t0, idx: i + 1, total, name: e.name() };
+        live.stage(format!("experiment {}/{total} {}", i + 1, e.name()));
+        let prog = ExperimentProgress { t0, idx: i + 1, total, name: e.name(), live: &live };
         prog.say(format!("start: {}", e.title()));
         let te = Instant::now();
         let mut res = match e {
@@ -617,6 +641,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
         let text = summary_md(&all, &env, spec);
         std::fs::write(&summary, text).map_err(|e| Error::io(format!("writing {}", summary.display()), e))?;
     }
+    live.finish();
     let failed = failed_count(&results);
     Ok(SuiteOutcome { results, summary, failed })
 }

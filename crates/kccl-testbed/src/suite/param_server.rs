@@ -23,7 +23,7 @@ pub const PS_WORKERS: [usize; 2] = [2, 4];
 pub(super) const PS_ITERS: usize = 5;
 pub(super) const PS_PEER_RUNS: usize = 1;
 
-pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> ExperimentResult {
+pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>) -> ExperimentResult {
     let e = Experiment::ParamServer;
     let mut res = ExperimentResult::new(
         e,
@@ -60,23 +60,36 @@ pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Expe
         if scale > 1 { format!("; SMOKE: every model scaled down {scale}x") } else { String::new() }
     ));
     let mut acc = Acc::default();
+    let skip = |w: usize, bytes: usize| -> Option<String> {
+        if bytes > spec.max_bytes {
+            return Some(format!("{bytes} B above --max-bytes {}", spec.max_bytes));
+        }
+        over_memory(kccl_memory(Kind::Allreduce, w, bytes))
+            .map(|why| format!("{w} workers x {bytes} B in this process: {why}"))
+    };
+    let model_bytes = |&(m, p): &(&'static str, usize)| (m, p / scale * 4);
+    // Time grows with the workers and the model's bytes; skipped points weigh
+    // nothing and, per worker count, come first (the order of the loop below).
+    let weights: Vec<u64> = workers
+        .iter()
+        .flat_map(|&w| {
+            let (skipped, run): (Vec<usize>, Vec<usize>) =
+                MODELS.iter().map(model_bytes).map(|(_, b)| b).partition(|&b| skip(w, b).is_some());
+            skipped.into_iter().map(|_| 0).chain(run.into_iter().map(move |b| (w * b) as u64))
+        })
+        .collect();
+    prog.plan(&weights);
     for &w in &workers {
-        let models: Vec<(&str, usize)> = MODELS
-            .iter()
-            .map(|&(m, p)| (m, p / scale * 4))
-            .filter(|&(m, bytes)| {
-                let point = format!("{m} workers={w}");
-                if bytes > spec.max_bytes {
-                    res.skipped.push(format!("{point}: {bytes} B above --max-bytes {}", spec.max_bytes));
-                    return false;
+        let mut models: Vec<(&str, usize)> = Vec::new();
+        for (m, bytes) in MODELS.iter().map(model_bytes) {
+            match skip(w, bytes) {
+                Some(why) => {
+                    prog.point(&format!("{m} workers={w}"));
+                    res.skipped.push(format!("{m} workers={w}: {why}"));
                 }
-                if let Some(why) = over_memory(kccl_memory(Kind::Allreduce, w, bytes)) {
-                    res.skipped.push(format!("{point}: {w} workers x {bytes} B in this process: {why}"));
-                    return false;
-                }
-                true
-            })
-            .collect();
+                None => models.push((m, bytes)),
+            }
+        }
         if models.is_empty() {
             continue;
         }
@@ -89,6 +102,7 @@ pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &Progress) -> Expe
         };
         for (m, bytes) in models {
             let point = format!("{m} workers={w}");
+            prog.point(&point);
             prog.say(format!("{point}: float32 allreduce of {bytes} B, both paths, {iters} timed each"));
             match c.h.measure_with::<f32>(
                 Kind::Allreduce,
