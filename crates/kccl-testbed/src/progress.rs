@@ -2,11 +2,11 @@
 //! bring-up of a large cluster report their progress on stderr.
 //!
 //! - stderr a terminal: an indicatif bar (`kccl bench all: experiment 3/7
-//!   agg-throughput [=====>   ] point 2/7 bytes=4194304 · 12:31 elapsed ·
-//!   ETA 03:20`), redrawn every second so the clock moves during a point that
-//!   takes minutes;
+//!   agg-throughput [=====>   ] 12:31 · ETA 03:20 · point 2/7 bytes=4194304`,
+//!   total time elapsed, then the experiment's time left), redrawn every
+//!   second so the clock moves during a point that takes minutes;
 //! - stderr not a terminal (CI logs, `2>file`): plain lines instead, one per
-//!   point, at most one every [`PLAIN_EVERY`] for fast ones;
+//!   point (a stage's first always, then at most one every [`PLAIN_EVERY`]);
 //! - `KCCL_PROGRESS=bar|plain|off` overrides the choice.
 //!
 //! A run is planned as stages (an experiment of the suite) made of points
@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 
-/// Plain mode: the least time between two progress lines of one run (stage
-/// starts and the end always print).
+/// Plain mode: the least time between two progress lines of one run (the
+/// first point of a stage and the end always print).
 pub const PLAIN_EVERY: Duration = Duration::from_secs(2);
 
 /// How progress is shown.
@@ -126,13 +126,19 @@ impl Progress {
     pub fn with_mode(what: &str, mode: Mode) -> Progress {
         let t0 = Instant::now();
         let bar = (mode == Mode::Bar).then(|| {
-            let style = ProgressStyle::with_template("{prefix} [{bar:24}] {msg} · {total_elapsed} elapsed · ETA {eta}")
+            // The message goes last and is cut to the terminal's width, so the
+            // bar stays one line.
+            let style = ProgressStyle::with_template("{prefix} [{bar:20}] {total_elapsed} · ETA {left} · {wide_msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .with_key("total_elapsed", move |_: &ProgressState, w: &mut dyn std::fmt::Write| {
                     let _ = w.write_str(&clock(t0.elapsed()));
                 })
+                // No estimate before the first point is done (indicatif would say 0s).
+                .with_key("left", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = w.write_str(&if s.pos() == 0 { "?".to_owned() } else { clock(s.eta()) });
+                })
                 .progress_chars("=> ");
-            let pb = multi().add(ProgressBar::new(0).with_style(style));
+            let pb = multi().add(ProgressBar::new(1).with_style(style));
             pb.set_prefix(what.to_owned());
             pb.enable_steady_tick(Duration::from_secs(1));
             BARS.fetch_add(1, Ordering::Relaxed);
@@ -168,12 +174,12 @@ impl Progress {
         st.detail.clear();
         if let Some(pb) = &self.bar {
             pb.set_prefix(join(&self.what, &st.stage));
-            pb.set_length(0);
+            // Empty until the stage's points are planned (a length 0 draws full).
+            pb.set_length(1);
             pb.set_position(0);
             pb.reset_eta();
             pb.set_message(String::new());
         }
-        self.plain(&mut st, true);
     }
 
     /// The points of the current stage, by weight (any unit: their expected
@@ -201,7 +207,9 @@ impl Progress {
             pb.set_position(st.pos);
             pb.set_message(point_text(&st));
         }
-        self.plain(&mut st, false);
+        // A stage's first point always shows: it says what the stage is.
+        let first = st.next == 1;
+        self.plain(&mut st, first);
     }
 
     /// What the current point is doing ("gloo iteration 40/200").

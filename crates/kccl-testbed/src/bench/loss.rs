@@ -180,7 +180,7 @@ fn reduce_points(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>
     for &loss in &spec.losses {
         let faults = Faults::install(h.group(), loss, spec.seed)?;
         for choice in [PathChoice::Kernel, PathChoice::User] {
-            progress.point(format!("loss={loss} {choice:?} path"));
+            progress.point(format!("loss={loss} {} path", format!("{choice:?}").to_lowercase()));
             let before = faults.stats()?;
             let r = h
                 .measure(Kind::Reduce, AggOp::Sum, spec.senders, &[choice], &[spec.reduce_bytes], spec.iters, &cfg)?
@@ -230,7 +230,7 @@ fn broadcast_points(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossReco
         for &loss in &spec.losses {
             let faults = Faults::install(&group, loss, spec.seed)?;
             for path in [Path::Kernel, Path::User] {
-                progress.point(format!("loss={loss} {path:?} path"));
+                progress.point(format!("loss={loss} {path} path"));
                 // Checked before timing: every receiver holds every byte.
                 h.verify(b, path, n, spec.bcast_bytes.min(1 << 16))?;
                 let before = faults.stats()?;
