@@ -19,7 +19,6 @@
 
 use std::fs::{self, File};
 use std::net::UdpSocket;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -28,40 +27,9 @@ use kccl::error::is_root;
 
 #[path = "../../kccl/tests/support/mod.rs"]
 mod support;
-use support::{command_with, non_root_prefix, pattern, root_or_skip};
+use support::{command_with, non_root_prefix, pattern, root_or_skip, Scratch};
 
 const KCCL: &str = env!("CARGO_BIN_EXE_kccl");
-
-/// A temporary directory that user `nobody` can read (0755, files 0644),
-/// removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("kccl-cli-{}-{tag}", std::process::id()));
-        let _ = fs::remove_dir_all(&p);
-        fs::create_dir_all(&p).expect("creating scratch dir");
-        fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).expect("chmod scratch dir");
-        Scratch(p)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn write(&self, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
-        let p = self.path(name);
-        fs::write(&p, bytes).expect("writing scratch file");
-        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).expect("chmod scratch file");
-        p
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("UTF-8 path")

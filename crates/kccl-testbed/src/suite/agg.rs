@@ -213,7 +213,7 @@ pub(super) fn agg_cpu(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgress<'_>
         let point = format!("senders={n}");
         for rep in 0..reps {
             for choice in [PathChoice::Kernel, PathChoice::User] {
-                prog.point(&format!("{point} repeat {}/{reps} {choice:?} path", rep + 1));
+                prog.point(&format!("{point} repeat {}/{reps} {} path", rep + 1, format!("{choice:?}").to_lowercase()));
                 prog.say(format!("{point} repeat {}/{reps}: {choice:?} path", rep + 1));
                 match measure_cpu(
                     &cluster::unique_name("su-cp"),

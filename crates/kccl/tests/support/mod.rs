@@ -1,6 +1,6 @@
 //! Test support shared by every test crate of the workspace (the one place
 //! for it; other crates include this file with `#[path]`): the root gate,
-//! deterministic payloads, Internet checksums for building expected frames, a
+//! scratch directories, deterministic payloads, Internet checksums for building expected frames, a
 //! private network namespace with a veth pair (fxa/fxb) that is removed on
 //! drop, and an AF_PACKET capture of what a program sent out of an interface.
 #![allow(dead_code)] // each test crate uses its own subset
@@ -8,6 +8,8 @@
 use std::mem::size_of;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -66,6 +68,37 @@ pub fn non_root_prefix(test: &str, bin: &str) -> Option<&'static [&'static str]>
             println!("SKIPPED {test}: cannot run setpriv to become nobody: {e}");
             None
         }
+    }
+}
+
+/// A temporary directory that user `nobody` can read (0755, files 0644),
+/// removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!("kccl-cli-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("creating scratch dir");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).expect("chmod scratch dir");
+        Scratch(p)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    pub fn write(&self, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.path(name);
+        std::fs::write(&p, bytes).expect("writing scratch file");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod scratch file");
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
