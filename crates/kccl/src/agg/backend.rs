@@ -1,0 +1,194 @@
+//! The aggregator backend of a member (user space always; the kernel's XDP/TC
+//! programs when built with `kernel-agg` and loaded), and the checks of a
+//! configuration against the group.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::group::{check_chunk_bytes, Group, Member};
+use crate::netns;
+use crate::wire::HDR_LEN;
+
+use super::config::AggConfig;
+use super::kernel_backend;
+use super::user::{AggSink, UserAggConfig, UserAggregator};
+use crate::bcast::{Path, PathChoice};
+
+/// Aggregator backends behind one interface: user space always, the kernel
+/// when built with `kernel-agg` and loaded.
+// One backend per member, built once and never moved on a hot path.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum AggBackend {
+    User(UserAggregator),
+    #[cfg(feature = "kernel-agg")]
+    Kernel(kernel_backend::KernelBackend),
+}
+
+impl AggBackend {
+    pub(super) fn user(&self) -> &UserAggregator {
+        match self {
+            AggBackend::User(u) => u,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => &k.user,
+        }
+    }
+
+    pub(super) fn user_mut(&mut self) -> &mut UserAggregator {
+        match self {
+            AggBackend::User(u) => u,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => &mut k.user,
+        }
+    }
+
+    pub(super) fn path(&self) -> Path {
+        match self {
+            AggBackend::User(_) => Path::User,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(_) => Path::Kernel,
+        }
+    }
+
+    #[cfg(feature = "kernel-agg")]
+    pub(super) fn kernel_stats(&self) -> Result<Option<crate::kernel_agg::AggStats>> {
+        match self {
+            AggBackend::User(_) => Ok(None),
+            AggBackend::Kernel(k) => k.engine().stats().map(Some),
+        }
+    }
+
+    /// What `rank` proved it received from this aggregator (receipts; on
+    /// the kernel path also its contributions): None or (op id, bound).
+    pub(super) fn ack_of(&self, rank: u16) -> Result<Option<(u32, u32)>> {
+        match self {
+            AggBackend::User(u) => Ok(u.receipt_of(rank)),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.engine().ack_of(rank),
+        }
+    }
+
+    /// The kernel slot's missing contributors of a chunk being aggregated.
+    pub(super) fn kernel_missing(&self, op_id: u32, frag_off: u32) -> Option<(u16, u64)> {
+        match self {
+            AggBackend::User(_) => {
+                let _ = (op_id, frag_off);
+                None
+            }
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.missing(op_id, frag_off),
+        }
+    }
+
+    /// Completed reduce chunks of the kernel (ring buffer records), at most
+    /// `max` (the others stay in the ring).
+    pub(super) fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
+        match self {
+            AggBackend::User(_) => {
+                let _ = (timeout, max, sink);
+                Ok(0)
+            }
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.poll(timeout, max, sink),
+        }
+    }
+}
+
+/// Picks the backend for `choice`; returns it with the reason.
+pub(super) fn make_backend(
+    group: &Group,
+    me: &Member,
+    cfg: &AggConfig,
+    chunk: usize,
+    choice: PathChoice,
+) -> Result<(AggBackend, String)> {
+    let ucfg = UserAggConfig {
+        job_id: group.job_id,
+        my_rank: me.rank,
+        chunk_bytes: chunk,
+        nslots: cfg.nslots,
+        slot_timeout: cfg.slot_timeout,
+        linger: cfg.deadline,
+    };
+    let user = UserAggregator::new(group, ucfg);
+    match choice {
+        PathChoice::User => Ok((AggBackend::User(user), "user-space path requested (--path user)".into())),
+        PathChoice::Kernel => kernel_backend(group, me, cfg, chunk, user),
+        PathChoice::Auto => {
+            let fallback = UserAggregator::new(group, user.config().clone());
+            match kernel_backend(group, me, cfg, chunk, user) {
+                Ok(k) => Ok(k),
+                Err(e) => Ok((AggBackend::User(fallback), format!("kernel path off: {e}; using the user-space path"))),
+            }
+        }
+    }
+}
+
+#[cfg(feature = "kernel-agg")]
+pub(super) fn kernel_backend(
+    group: &Group,
+    me: &Member,
+    cfg: &AggConfig,
+    chunk: usize,
+    user: UserAggregator,
+) -> Result<(AggBackend, String)> {
+    let k = kernel_backend::KernelBackend::load(group, me, cfg, chunk, user)?;
+    let why = format!("kernel path: xdp_agg and tc_agg_result attached to {}", me.iface);
+    Ok((AggBackend::Kernel(k), why))
+}
+
+#[cfg(not(feature = "kernel-agg"))]
+pub(super) fn kernel_backend(
+    _group: &Group,
+    _me: &Member,
+    _cfg: &AggConfig,
+    _chunk: usize,
+    _user: UserAggregator,
+) -> Result<(AggBackend, String)> {
+    Err(Error::KernelPathUnavailable {
+        reason: "this build has no kernel aggregation (the cargo feature `kernel-agg` is off); \
+                 rebuild with --features kernel-agg or use the user-space path (--path user)"
+            .into(),
+    })
+}
+
+/// Checks the configuration against the group; returns the chunk size.
+pub(super) fn resolve_config(group: &Group, me: &Member, cfg: &AggConfig) -> Result<usize> {
+    let chunk = match cfg.chunk_bytes {
+        None => group.chunk_bytes,
+        Some(c) => check_chunk_bytes(i64::from(c)).map_err(|m| Error::Usage(format!("AggConfig: {m}")))?,
+    };
+    if cfg.chunk_bytes.is_some_and(|c| c != group.chunk_bytes) {
+        return Err(Error::Usage(format!(
+            "AggConfig.chunk_bytes {} differs from the group file's chunk_bytes {}: every member and the \
+             aggregator must use the same chunk size (set it in the group file)",
+            cfg.chunk_bytes.unwrap_or_default(),
+            group.chunk_bytes
+        )));
+    }
+    let nslots = cfg.nslots.next_power_of_two();
+    if cfg.window == 0 || cfg.window >= nslots {
+        return Err(Error::Usage(format!(
+            "AggConfig.window {} must be at least 1 and below nslots {nslots} (two chunks of one operation \
+             must never need the same aggregation slot)",
+            cfg.window
+        )));
+    }
+    if cfg.rto.is_zero() || cfg.deadline < cfg.rto {
+        return Err(Error::Usage(format!(
+            "AggConfig: rto {:?} must be positive and not longer than the deadline {:?}",
+            cfg.rto, cfg.deadline
+        )));
+    }
+    if let Some(mtu) = netns::mtu(&me.iface) {
+        if chunk as usize + 20 + 8 + HDR_LEN > mtu {
+            return Err(Error::Usage(format!(
+                "chunk_bytes {chunk} needs an MTU of at least {} but {} has {mtu}: lower chunk_bytes in the group \
+                 file to {} or raise the MTU",
+                chunk as usize + 20 + 8 + HDR_LEN,
+                me.iface,
+                mtu.saturating_sub(20 + 8 + HDR_LEN) / 8 * 8
+            )));
+        }
+    }
+    Ok(chunk as usize)
+}

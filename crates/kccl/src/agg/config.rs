@@ -1,0 +1,85 @@
+//! A Collective's configuration ([`AggConfig`]) and what its calls report
+//! ([`CollectiveStats`], [`SendReport`]).
+
+use std::time::Duration;
+
+use super::member::ContribStats;
+use super::op::Quant;
+use super::user::AggStats;
+
+/// Tuning of one member or aggregator.  Every member of a job must use the
+/// same chunk size (the group file's), and `window` must stay below the
+/// aggregator's `nslots`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AggConfig {
+    /// Chunk bytes; None: the group file's `chunk_bytes` (default 1432, for
+    /// an MTU of 1500).
+    pub chunk_bytes: Option<u32>,
+    /// Span of chunks a contributor may have sent above its lowest
+    /// unanswered one (the slot-reuse proof's W; also the largest
+    /// congestion window, which bounds the chunks in flight).
+    pub window: usize,
+    /// Retransmission timeout: a chunk unanswered this long after its last
+    /// send is sent again (fast retransmission usually comes first).
+    pub rto: Duration,
+    /// An operation fails when nothing progressed for this long.
+    pub deadline: Duration,
+    pub quant: Quant,
+    /// Aggregation slots (power of two) of this member's aggregator role.
+    pub nslots: usize,
+    /// An aggregating chunk idle for this long may lose its slot.
+    pub slot_timeout: Duration,
+    /// Send runs of chunks to one address as UDP GSO messages (one stack
+    /// traversal per run instead of per datagram; the wire is unchanged).
+    /// Off by default: experimental (docs/AGGREGATION.md, "UDP GSO").
+    pub gso: bool,
+}
+
+impl Default for AggConfig {
+    fn default() -> Self {
+        AggConfig {
+            chunk_bytes: None,
+            window: 256,
+            rto: Duration::from_millis(25),
+            deadline: Duration::from_secs(10),
+            quant: Quant::Auto,
+            nslots: 1024,
+            slot_timeout: Duration::from_secs(2),
+            gso: false,
+        }
+    }
+}
+
+/// Counters of a Collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CollectiveStats {
+    /// API calls (reduce, allreduce, send/get_aggregated_data).
+    pub calls: u64,
+    /// Wire operations run (pre-passes and redos included).
+    pub ops: u64,
+    /// Operations redone in int64 after an int32 overflow.
+    pub redo_ops: u64,
+    pub recv_calls: u64,
+    /// Datagrams that were neither contributions nor answers (or truncated).
+    pub other_datagrams: u64,
+    /// Reduce chunks the root received (user or kernel aggregation).
+    pub root_chunks: u64,
+    /// Reduce chunks completed before the root reached their operation.
+    pub stashed: u64,
+    /// Reduce chunks of calls this root had already finished (or given up
+    /// on) when they completed: dropped.
+    pub stale_chunks: u64,
+    pub contrib: ContribStats,
+    /// The user-space aggregator of this member (reduce root, USER_ONLY).
+    pub agg: AggStats,
+}
+
+/// What a contributor's reduce call did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendReport {
+    pub op_id: u32,
+    pub chunks: usize,
+    pub datagrams: u64,
+    pub retransmits: u64,
+    pub elapsed: Duration,
+}

@@ -1,0 +1,70 @@
+//! One receive batch dispatched by role: contributions to the aggregator
+//! backend, answers (ACK, PENDING, RESULT) to the contributor.
+
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::sock::{BatchSocket, RecvBatch};
+use crate::wire::{Header, T_AGG, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
+
+use super::backend::AggBackend;
+use super::config::CollectiveStats;
+use super::member::Contributor;
+use super::user::AggSink;
+use crate::bcast::Path;
+
+/// Where RESULT chunks go: (chunk, payload, overflow).
+pub(super) type Decode<'d> = &'d mut dyn FnMut(usize, &[u8], bool);
+
+/// Receives one batch (or times out) and hands every datagram to its role:
+/// contributions to the aggregator backend, answers to the contributor.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn pump(
+    sock: &BatchSocket,
+    rb: &mut RecvBatch,
+    backend: &mut AggBackend,
+    stats: &mut CollectiveStats,
+    wait: Duration,
+    root_waiting: bool,
+    mut contrib: Option<(&mut Contributor<'_>, Decode<'_>)>,
+    sink: &mut dyn AggSink,
+) -> Result<()> {
+    let mut sock_wait = wait;
+    if backend.path() == Path::Kernel {
+        // Kernel records: wait on the ring when the root waits for them,
+        // else only drain it; then the socket without blocking.  No more
+        // records than the sink can keep: the others stay in the ring (with
+        // no room, the root waits on its socket only).
+        let room = sink.room();
+        let ring_wait = root_waiting && room > 0;
+        let t = if ring_wait { wait.min(Duration::from_millis(1)) } else { Duration::ZERO };
+        backend.poll(t, room, sink)?;
+        sock_wait = if ring_wait { Duration::ZERO } else { wait };
+    }
+    let n = sock.recv_batch(rb, Some(sock_wait))?;
+    stats.recv_calls += 1;
+    let now = Instant::now();
+    for i in 0..n {
+        let (d, from) = rb.get(i);
+        let Ok(d) = d else {
+            stats.other_datagrams += 1;
+            continue;
+        };
+        match Header::decode(d) {
+            Ok((h, p)) if h.msg_type == T_AGG => {
+                let agg = backend.user_mut();
+                agg.count_datagram();
+                agg.ingest(&h, p, from, now, sink);
+            }
+            Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
+            Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
+                Some((c, dec)) => {
+                    c.on_answer(&h, p, from, now, &mut **dec);
+                }
+                None => stats.contrib.stale_answers += 1,
+            },
+            _ => stats.other_datagrams += 1,
+        }
+    }
+    backend.user_mut().flush(sock)
+}

@@ -1,0 +1,202 @@
+//! The contributor side of a reduce: a vector becomes chunk specs and
+//! encodings, goes out under the AIMD window, and every chunk waits for its
+//! ACK (or its RESULT, for allreduce).
+
+use std::net::SocketAddrV4;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+use super::allreduce::finish_of;
+use super::codec::{Dst, Enc, Src};
+use super::config::SendReport;
+use super::dispatch::pump;
+use super::member::{ContribStats, Contributor, Cwnd, Spec};
+use super::op::{AggOp, Element, Quant};
+use super::root::RootSink;
+use super::{check_len, quant, Collective, Contributors};
+
+impl Collective {
+    /// The paper's building block of reduce, contributor side: sends `data`
+    /// for the reduce to rank `to` and waits until every chunk is
+    /// acknowledged.
+    pub fn send_aggregated_data<T: Element>(&mut self, data: &[T], op: AggOp, to: u16) -> Result<SendReport> {
+        let call = self.next_call();
+        let what = format!("reduce call {call} to rank {to} ({} {op}, {} elements)", T::NAME, data.len());
+        let to_addr = self.addr_of(to)?;
+        if to == self.me.rank {
+            return Err(Error::Usage(format!("{what}: rank {to} is this member; use get_aggregated_data or reduce")));
+        }
+        if self.group.aggregator == Some(to) {
+            return Err(Error::Usage(format!(
+                "{what}: rank {to} is the group's allreduce aggregator, which has no reduce root; reduce to a member"
+            )));
+        }
+        let set = self.reduce_contributors(&what, to)?;
+        let mut report =
+            SendReport { op_id: call * 4 + 1, chunks: 0, datagrams: 0, retransmits: 0, elapsed: Duration::ZERO };
+        if data.is_empty() {
+            return Ok(report);
+        }
+        let t0 = Instant::now();
+        let src = T::src(data);
+        let (mut agreed, mut scales) = (Vec::new(), Vec::new());
+        if let (Src::F32(f), AggOp::Sum | AggOp::Avg) = (src, op) {
+            match self.cfg.quant {
+                // The exponents are agreed by an allreduce MAX through the
+                // root; the data message then starts with them, so that the
+                // root learns the scales from its own reduce records (on the
+                // kernel path it never sees that allreduce's results).  The
+                // root keeps int64 sums: no headroom needed.
+                Quant::Auto => {
+                    let mut exps = Vec::new();
+                    quant::block_exponents(f, self.chunk / 4, &mut exps)?;
+                    check_len::<T>(&what, data.len(), exps.len())?;
+                    let spec = self.spec(&what, call * 4, AggOp::Max, to, to_addr, set, true, false);
+                    agreed = vec![0i32; exps.len()];
+                    let fin = finish_of(&Enc::I32(&exps), AggOp::Max, set.count);
+                    let (_, ovf) = self.run_allreduce(spec, Enc::I32(&exps), fin, &mut Dst::I32(&mut agreed))?;
+                    if !ovf.is_empty() {
+                        return Err(self.protocol_error(&what, "the exponent pre-pass came back with OVERFLOW"));
+                    }
+                    scales = agreed.iter().map(|&e| quant::auto_scale(e, 0)).collect();
+                }
+                Quant::Fixed(s) => {
+                    quant::check_fixed(f, s)?;
+                    scales = vec![s];
+                }
+            }
+        }
+        check_len::<T>(&what, data.len(), agreed.len())?;
+        let enc = self.encoding(src, op, &scales, &agreed)?;
+        let spec = self.spec(&what, call * 4 + 1, op, to, to_addr, set, false, false);
+        let (st, _) = self.contribute(spec, enc, &mut |_, _, _| {})?;
+        report.chunks = st.chunks as usize;
+        report.datagrams = st.datagrams;
+        report.retransmits = st.retransmits;
+        report.elapsed = t0.elapsed();
+        Ok(report)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn spec(
+        &self,
+        what: &str,
+        op_id: u32,
+        op: AggOp,
+        agg: u16,
+        agg_addr: SocketAddrV4,
+        set: Contributors,
+        allreduce: bool,
+        user_only: bool,
+    ) -> Spec {
+        Spec {
+            what: format!("{what}, op id {op_id}"),
+            job_id: self.group.job_id,
+            my_rank: self.me.rank,
+            agg_rank: agg,
+            agg_addr,
+            op_id,
+            agg_op: op.wire(),
+            chunk: self.chunk,
+            allreduce,
+            user_only,
+            mask_base: set.base,
+            mask: set.mask,
+        }
+    }
+
+    /// The wire encoding of `src` for `op` (codec.rs); refuses non-finite
+    /// floats before anything is sent.  `scales`: per block of chunk/4
+    /// elements (automatic) or one fixed scale.
+    pub(super) fn encoding<'a>(
+        &self,
+        src: Src<'a>,
+        op: AggOp,
+        scales: &'a [f64],
+        prefix: &'a [i32],
+    ) -> Result<Enc<'a>> {
+        Ok(match src {
+            Src::I32(d) => Enc::I32(d),
+            Src::I64(d) => Enc::I64(d),
+            Src::F32(d) => {
+                if let Some(index) = quant::first_non_finite(d) {
+                    return Err(Error::NonFinite { index });
+                }
+                match op {
+                    AggOp::Max | AggOp::Min => Enc::F32Ord(d),
+                    AggOp::Count => Enc::F32NonZero(d),
+                    AggOp::Sum | AggOp::Avg => {
+                        let block = if scales.len() == 1 && self.cfg.quant != Quant::Auto {
+                            d.len().max(1)
+                        } else {
+                            self.chunk / 4
+                        };
+                        Enc::F32Q { data: d, scales, block, prefix }
+                    }
+                }
+            }
+        })
+    }
+
+    /// One operation as a contributor, to completion or error.  `decode`
+    /// gets each newly answered RESULT chunk.  Returns this operation's
+    /// counters and the chunks whose RESULT carried F_OVERFLOW.
+    pub(super) fn contribute(
+        &mut self,
+        spec: Spec,
+        enc: Enc<'_>,
+        decode: &mut dyn FnMut(usize, &[u8], bool),
+    ) -> Result<(ContribStats, Vec<usize>)> {
+        let agg_rank = spec.agg_rank;
+        let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window));
+        let mut c = Contributor::new(spec, enc, self.timing(), cwnd);
+        self.stats.ops += 1;
+        let res = loop {
+            let now = Instant::now();
+            if let Err(e) = c.send_due(&self.sock, now) {
+                break Err(e);
+            }
+            if c.done() {
+                break Ok(());
+            }
+            let mut sink = RootSink {
+                stash: &mut self.stash,
+                call: self.calls.wrapping_sub(1),
+                cap: self.cfg.nslots,
+                state: None,
+                stashed: 0,
+                stale: 0,
+            };
+            let wait = c.wait(now);
+            let r = pump(
+                &self.sock,
+                &mut self.rb,
+                &mut self.backend,
+                &mut self.stats,
+                wait,
+                false,
+                Some((&mut c, &mut *decode)),
+                &mut sink,
+            );
+            self.stats.stashed += sink.stashed;
+            self.stats.stale_chunks += sink.stale;
+            if let Err(e) = r {
+                break Err(e);
+            }
+            if c.done() {
+                break Ok(());
+            }
+            if let Err(e) = c.check_deadline(Instant::now()) {
+                break Err(e);
+            }
+        };
+        self.cwnds.insert(agg_rank, c.cwnd);
+        // Done or given up: either way this member wants no more answers of
+        // the operation, so the aggregator may reuse its slots.  Best effort
+        // (if lost, the slots are reused cfg_slot_timeout after completion).
+        let _ = c.send_receipt(&self.sock);
+        self.stats.contrib.add(&c.stats);
+        res.map(|()| (c.stats, c.overflowed().to_vec()))
+    }
+}
