@@ -124,18 +124,10 @@ impl Collective {
             if left.is_zero() {
                 return Ok(());
             }
-            let mut sink = RootSink {
-                stash: &mut self.stash,
-                call: self.calls.wrapping_sub(1),
-                cap: self.cfg.nslots,
-                state: None,
-                stashed: 0,
-                stale: 0,
-            };
+            let mut sink = RootSink::new(&mut self.stash, self.calls.wrapping_sub(1), self.cfg.nslots, None);
             let wait = left.min(Duration::from_millis(50));
             let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, false, None, &mut sink);
-            self.stats.stashed += sink.stashed;
-            self.stats.stale_chunks += sink.stale;
+            sink.count_into(&mut self.stats);
             r?;
         }
     }

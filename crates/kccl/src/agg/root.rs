@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::wire::{Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, MASK_BITS, OP_MAX};
 
 use super::codec::{Dst, FinEnc, Finish, OutOfRange, Src};
+use super::config::CollectiveStats;
 use super::dispatch::pump;
 use super::op::{AggOp, DType, Element, Quant};
 use super::user::{Admit, AggSink, ChunkDone};
@@ -267,13 +268,27 @@ impl RootState<'_> {
 
 /// The sink of a pump: admission and delivery for the local root.
 pub(super) struct RootSink<'s, 'a> {
-    pub(super) stash: &'s mut Stash,
+    stash: &'s mut Stash,
     /// Call number of the current call.
-    pub(super) call: u32,
-    pub(super) cap: usize,
-    pub(super) state: Option<&'s mut RootState<'a>>,
-    pub(super) stashed: u64,
-    pub(super) stale: u64,
+    call: u32,
+    cap: usize,
+    state: Option<&'s mut RootState<'a>>,
+    stashed: u64,
+    stale: u64,
+}
+
+impl<'s, 'a> RootSink<'s, 'a> {
+    /// A sink for call `call`: with `state`, the chunks of that reduce are
+    /// delivered to it; records of later calls are stashed either way.
+    pub(super) fn new(stash: &'s mut Stash, call: u32, cap: usize, state: Option<&'s mut RootState<'a>>) -> Self {
+        RootSink { stash, call, cap, state, stashed: 0, stale: 0 }
+    }
+
+    /// Adds what this sink stashed and dropped as stale to the counters.
+    pub(super) fn count_into(&self, stats: &mut CollectiveStats) {
+        stats.stashed += self.stashed;
+        stats.stale_chunks += self.stale;
+    }
 }
 
 impl AggSink for RootSink<'_, '_> {
@@ -509,17 +524,9 @@ impl Collective {
                 return Err(self.root_timeout(&st, since));
             }
             let wait = (self.cfg.deadline - since).min(Duration::from_millis(50));
-            let mut sink = RootSink {
-                stash: &mut self.stash,
-                call,
-                cap: self.cfg.nslots,
-                state: Some(&mut st),
-                stashed: 0,
-                stale: 0,
-            };
+            let mut sink = RootSink::new(&mut self.stash, call, self.cfg.nslots, Some(&mut st));
             let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, true, None, &mut sink);
-            self.stats.stashed += sink.stashed;
-            self.stats.stale_chunks += sink.stale;
+            sink.count_into(&mut self.stats);
             r?;
         }
         self.stats.root_chunks += nchunks as u64;

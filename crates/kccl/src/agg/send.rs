@@ -160,14 +160,7 @@ impl Collective {
             if c.done() {
                 break Ok(());
             }
-            let mut sink = RootSink {
-                stash: &mut self.stash,
-                call: self.calls.wrapping_sub(1),
-                cap: self.cfg.nslots,
-                state: None,
-                stashed: 0,
-                stale: 0,
-            };
+            let mut sink = RootSink::new(&mut self.stash, self.calls.wrapping_sub(1), self.cfg.nslots, None);
             let wait = c.wait(now);
             let r = pump(
                 &self.sock,
@@ -179,8 +172,7 @@ impl Collective {
                 Some((&mut c, &mut *decode)),
                 &mut sink,
             );
-            self.stats.stashed += sink.stashed;
-            self.stats.stale_chunks += sink.stale;
+            sink.count_into(&mut self.stats);
             if let Err(e) = r {
                 break Err(e);
             }
