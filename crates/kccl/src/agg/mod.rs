@@ -25,7 +25,7 @@
 //! window, retransmission and deadlines in member.rs); the reduce root
 //! (root.rs); allreduce and its redo (allreduce.rs); one receive batch
 //! dispatched by role (dispatch.rs); the backends (backend.rs: user space in
-//! user.rs, the kernel in kernel_backend.rs); the aggregator service
+//! user/, the kernel in kernel_backend.rs); the aggregator service
 //! (aggregator.rs).
 
 pub mod codec;

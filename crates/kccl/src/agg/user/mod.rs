@@ -21,6 +21,17 @@
 //! over big-endian values into int64 that the compiler vectorizes, and one
 //! sendmmsg per batch for every answer (one datagram per contributor: the
 //! user-space equivalent of the kernel's fan-out).
+//!
+//! Files: the slot table and its answers here; counters and mismatch
+//! reports in stats.rs; the sink interface it hands chunks to in sink.rs;
+//! the accumulate loops in combine.rs.
+
+mod combine;
+mod sink;
+mod stats;
+
+pub use sink::{Admit, AggSink, AllreduceOnly, ChunkDone};
+pub use stats::{AggStats, MismatchEvent};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddrV4;
@@ -31,148 +42,10 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
-    Header, DT_I64, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, OP_AVG, OP_COUNT, OP_MAX,
-    OP_MIN, OP_SUM, T_AGG, T_AGG_ACK, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    Header, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ACK, T_AGG_RECEIPT,
+    T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
-
-/// Aggregator counters; the names follow enum kccl_agg_stat where the two
-/// paths count the same thing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct AggStats {
-    /// Datagrams read from the socket.
-    pub datagrams: u64,
-    /// recvmmsg / sendmmsg calls.
-    pub recv_calls: u64,
-    pub send_calls: u64,
-    /// Contributions added to a slot.
-    pub pkts: u64,
-    pub chunks_done: u64,
-    /// Allreduce result chunks completed (before the per-contributor copies).
-    pub results: u64,
-    /// Reduce chunks completed (ACKed).
-    pub acks: u64,
-    /// Answer datagrams sent (one per contributor, plus re-answers).
-    pub answers_sent: u64,
-    /// Contribution already counted (slot still active).
-    pub dup: u64,
-    /// Contribution for a finished chunk: the answer was sent again.
-    pub dup_done: u64,
-    /// Slot held by another live chunk: dropped (the sender retransmits).
-    pub busy: u64,
-    /// Abandoned chunk's slot taken after the slot timeout.
-    pub reclaimed: u64,
-    /// Op/type/length/contributors differ from the slot's (or from what the
-    /// local root expects).
-    pub mismatch: u64,
-    /// Sender not in the packet's contributor mask.
-    pub not_contrib: u64,
-    /// Sender rank unknown or sending from another address than its own.
-    pub not_member: u64,
-    /// kccl packet with a bad header or chunk geometry.
-    pub malformed: u64,
-    /// Datagram larger than a chunk (cut by the receive buffer).
-    pub truncated: u64,
-    /// Op or type this runtime does not know.
-    pub unsupported: u64,
-    /// Packet of another job.
-    pub other_job: u64,
-    /// Contributions with USER_ONLY (overflow redo).
-    pub user_only: u64,
-    /// Chunk of an operation that already finished and whose answer was
-    /// already recycled: dropped.
-    pub stale: u64,
-    /// Reduce contribution for an operation the local root has not started
-    /// (and no room to take it early): dropped, the sender retransmits.
-    pub early: u64,
-    /// Result chunks with a saturated (int32) or overflowed (int64) element.
-    pub overflow: u64,
-    /// Datagrams that are not contributions (answers, broadcast, ...).
-    pub not_contribution: u64,
-    /// KCCL_T_AGG_RECEIPT packets taken (a contributor is done with an
-    /// operation).
-    pub receipts: u64,
-    /// KCCL_T_AGG_SYNC requests answered.
-    pub syncs: u64,
-}
-
-impl AggStats {
-    /// Datagrams dropped for any reason other than duplicates/busy/early.
-    pub fn rejected(&self) -> u64 {
-        self.mismatch
-            + self.not_contrib
-            + self.not_member
-            + self.malformed
-            + self.truncated
-            + self.unsupported
-            + self.other_job
-            + self.stale
-    }
-}
-
-/// A completed reduce chunk: the int64 accumulators and what they are.
-/// (Field for field the ring buffer record of the kernel path.)
-#[derive(Debug, Clone, Copy)]
-pub struct ChunkDone<'a> {
-    pub op_id: u32,
-    pub frag_off: u32,
-    pub msg_len: u32,
-    pub payload_len: u16,
-    pub agg_op: u8,
-    pub dtype: u8,
-    /// An int64 sum overflowed (I64 only).
-    pub overflow: bool,
-    /// Contributor mask (window of the operation's mask_base).
-    pub contributors: u64,
-    pub values: &'a [i64],
-}
-
-/// What the owner of the aggregator says about a contribution before it is
-/// aggregated (the local root knows the op it runs; the allreduce service
-/// takes every allreduce contribution and no reduce one).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Admit {
-    Yes,
-    /// Not expected here (yet): dropped and counted as `early`.
-    Early,
-    /// Differs from what the local root expects: counted, dropped, reported.
-    Mismatch(String),
-}
-
-/// The owner's side of the aggregator: admission of contributions that would
-/// be aggregated, and delivery of completed reduce chunks.
-pub trait AggSink {
-    fn admit(&mut self, h: &Header) -> Admit;
-    fn deliver(&mut self, d: &ChunkDone<'_>);
-    /// How many completed reduce chunks the owner can take now.  The kernel
-    /// path reads no more ring buffer records than this; the others wait in
-    /// the ring (the user path's backpressure is [`Admit::Early`]).
-    fn room(&self) -> usize {
-        usize::MAX
-    }
-}
-
-/// The allreduce service: every allreduce contribution is taken; reduce
-/// contributions have no root here and are counted as `early` and dropped.
-pub struct AllreduceOnly;
-
-impl AggSink for AllreduceOnly {
-    fn admit(&mut self, h: &Header) -> Admit {
-        if h.flags & F_ALLREDUCE != 0 {
-            Admit::Yes
-        } else {
-            Admit::Early
-        }
-    }
-    fn deliver(&mut self, _: &ChunkDone<'_>) {}
-}
-
-/// A contribution refused because it does not match its operation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MismatchEvent {
-    pub op_id: u32,
-    pub rank: u16,
-    pub detail: String,
-}
+use combine::{combine, encode_result};
 
 #[derive(Debug, Clone)]
 pub struct UserAggConfig {
@@ -825,72 +698,12 @@ impl UserAggregator {
     }
 }
 
-/// Adds one contribution's big-endian values into the int64 accumulators
-/// (`first`: the slot's first contribution initialises them).  Returns
-/// whether an int64 sum overflowed.
-fn combine(acc: &mut [i64], payload: &[u8], dtype: u8, op: u8, first: bool) -> bool {
-    if dtype == DT_I64 {
-        let vals =
-            payload.chunks_exact(8).map(|b| i64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
-        combine_vals(acc, vals, op, first)
-    } else {
-        let vals = payload.chunks_exact(4).map(|b| i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]])));
-        combine_vals(acc, vals, op, first)
-    }
-}
-
-/// The op dispatch is outside the loops so that each loop is a plain
-/// element-wise kernel the compiler vectorizes.
-#[inline(always)]
-fn combine_vals(acc: &mut [i64], vals: impl Iterator<Item = i64>, op: u8, first: bool) -> bool {
-    let pairs = acc.iter_mut().zip(vals);
-    match (first, op) {
-        (true, OP_COUNT) => pairs.for_each(|(a, v)| *a = i64::from(v != 0)),
-        (true, _) => pairs.for_each(|(a, v)| *a = v),
-        (false, OP_SUM | OP_AVG) => {
-            // Signed overflow iff both operands' signs differ from the
-            // result's; OR the indicator over the chunk, test once.
-            let mut ovf = 0i64;
-            pairs.for_each(|(a, v)| {
-                let r = a.wrapping_add(v);
-                ovf |= (*a ^ r) & (v ^ r);
-                *a = r;
-            });
-            return ovf < 0;
-        }
-        (false, OP_MAX) => pairs.for_each(|(a, v)| *a = (*a).max(v)),
-        (false, OP_MIN) => pairs.for_each(|(a, v)| *a = (*a).min(v)),
-        (false, OP_COUNT) => pairs.for_each(|(a, v)| *a += i64::from(v != 0)),
-        // check_contribution admits no other op.
-        (false, _) => {}
-    }
-    false
-}
-
-/// Writes the accumulators in the wire width: int32 types saturate.
-/// Returns whether any element was saturated.
-fn encode_result(acc: &[i64], dtype: u8, out: &mut [u8]) -> bool {
-    if dtype == DT_I64 {
-        for (o, a) in out.chunks_exact_mut(8).zip(acc) {
-            o.copy_from_slice(&a.to_be_bytes());
-        }
-        return false;
-    }
-    let mut sat = false;
-    for (o, &a) in out.chunks_exact_mut(4).zip(acc) {
-        let v = a.clamp(i64::from(i32::MIN), i64::from(i32::MAX));
-        sat |= v != a;
-        o.copy_from_slice(&(v as i32).to_be_bytes());
-    }
-    sat
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::agg::packet::contribution_header;
     use crate::group::Member;
-    use crate::wire::{DT_F32Q, DT_I32};
+    use crate::wire::{DT_F32Q, DT_I32, DT_I64, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM};
     use std::net::Ipv4Addr;
 
     const CHUNK: usize = 16; // 4 int32 or 2 int64 per chunk: small tables
