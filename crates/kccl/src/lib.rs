@@ -6,7 +6,7 @@
 //! - [`wire`]: the packet header (defined once in bpf/include/kccl_wire.h);
 //! - [`group`]: group files (who is in a job);
 //! - [`kernel`]: the BPF data plane (skeletons, maps, links);
-//! - [`kernel_agg`]: the aggregation engine (xdp_agg + tc_agg_result);
+//! - [`kernel_agg`] (= `kernel::agg`): the aggregation engine (xdp_agg + tc_agg_result);
 //! - [`bcast`]: broadcast sender and receiver over both paths;
 //! - [`agg`]: reduce and allreduce (aggregation) over both paths;
 //! - [`fault`]: a fault injector (loss, duplication, reordering) for kccl packets.
@@ -20,7 +20,7 @@ pub mod error;
 pub mod fault;
 pub mod group;
 pub mod kernel;
-pub mod kernel_agg;
+pub use kernel::agg as kernel_agg;
 pub mod netns;
 pub mod sock;
 pub mod wire;

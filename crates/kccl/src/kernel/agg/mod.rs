@@ -6,8 +6,26 @@
 //! reuses the first one's maps before it is loaded.  Layouts come from the
 //! skeletons' generated types (bpf/include/kccl_agg.h), checked by the tests
 //! below; see docs/AGGREGATION.md for the protocol.
+//!
+//! Files: loading, attaching, members, counters and the record reader here;
+//! configuration and limits in config.rs; record parsing in record.rs; the
+//! counters in stats.rs; slot and acknowledgment snapshots in slots.rs.
 
-use std::mem::{offset_of, size_of};
+mod config;
+mod record;
+mod slots;
+mod stats;
+
+use record::{parse_record_header, parse_values, u64_at, RecordQueue};
+
+pub use config::{
+    AggEngineConfig, XdpMode, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN,
+};
+pub use record::{dtype_size, AggRecordView};
+pub use slots::{SlotInfo, SlotState, SlotSummary};
+pub use stats::AggStats;
+
+use std::mem::size_of;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -18,381 +36,13 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, RingBuffer, RingBufferBuilder};
 
 use crate::error::{Error, Result};
-use crate::group::{Group, MAX_MEMBERS};
-use crate::kernel::{member_entry, neighbours, skeleton_storage, write_member_entry, MissEvent, CLONE_MARK};
-use crate::skel_agg::types::kccl_agg_record;
+use crate::group::Group;
+use crate::kernel::{
+    ifname, member_entry, neighbours, skeleton_storage, unavailable, verified_insns, write_member_entry, MissEvent,
+    CLONE_MARK,
+};
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
 use crate::skel_agg_result::{TcAggResultSkel, TcAggResultSkelBuilder};
-
-/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD).
-pub const MAX_CHUNK_BYTES: u32 = 3432;
-/// Accumulators per slot (KCCL_AGG_MAX_ELEMS).
-pub const MAX_ELEMS: usize = MAX_CHUNK_BYTES as usize / 4;
-/// Bytes of a ring buffer record before the values (KCCL_AGG_RECORD_HDR_LEN).
-pub const RECORD_HDR_LEN: usize = 32;
-/// Default chunk size: a 1500-byte MTU (1500 - 20 - 8 - 40).
-pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
-/// Largest slot count [`AggEngine::load`] accepts (a slot is ~6.9 KiB).
-pub const MAX_SLOTS: u32 = 1 << 14;
-
-// The C headers are the definition; fail the build if the generated copies move.
-const _: () = assert!(size_of::<kccl_agg_record>() == RECORD_HDR_LEN + MAX_ELEMS * 8);
-const _: () = assert!(offset_of!(kccl_agg_record, acc) == RECORD_HDR_LEN);
-const _: () = assert!(
-    size_of::<crate::skel_agg::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
-        && size_of::<crate::skel_agg_result::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
-);
-
-// enum kccl_dtype
-const DT_I32: u8 = 1;
-const DT_I64: u8 = 2;
-const DT_F32Q: u8 = 3;
-
-/// Configuration of the engine (read-only globals of the programs and map
-/// sizes, fixed at load).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AggEngineConfig {
-    pub job_id: u32,
-    /// The aggregator's UDP port (contributions go there).
-    pub port: u16,
-    /// The aggregator's rank (src_rank of the answers).
-    pub my_rank: u16,
-    /// The job's chunk size: a multiple of 8, at most [`MAX_CHUNK_BYTES`].
-    pub chunk_bytes: u32,
-    /// Aggregation slots: a power of two, at most [`MAX_SLOTS`].
-    pub nslots: u32,
-    /// An unfinished chunk older than this may lose its slot.
-    pub slot_timeout: Duration,
-    /// Ring buffer size for reduce records: a power of two >= 16 KiB.
-    pub ring_bytes: u32,
-    /// Wake the reader when the ring holds more than this (or an operation
-    /// completed); below, records are written without a wake-up.
-    pub wakeup_bytes: u32,
-    /// The job's largest contributor window (AggConfig::window): below
-    /// nslots; a contribution of chunk c proves its sender holds every
-    /// answer below c + 1 - window (docs/AGGREGATION.md, "Slot reuse").
-    pub window: u32,
-}
-
-impl AggEngineConfig {
-    /// Defaults: chunk 1432 bytes, 1024 slots, 2 s slot timeout, 64 MiB ring,
-    /// wake-up after 1 MiB.
-    pub fn new(job_id: u32, port: u16, my_rank: u16) -> Self {
-        AggEngineConfig {
-            job_id,
-            port,
-            my_rank,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
-            nslots: 1024,
-            slot_timeout: Duration::from_secs(2),
-            ring_bytes: 64 << 20,
-            wakeup_bytes: 1 << 20,
-            window: 256,
-        }
-    }
-
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &'static str, msg: String| Err(Error::AggConfig { field, msg });
-        if self.port == 0 {
-            return bad("port", "0 is not a UDP port contributors can send to".into());
-        }
-        if usize::from(self.my_rank) >= MAX_MEMBERS {
-            return bad("my_rank", format!("{} is outside 0..{}", self.my_rank, MAX_MEMBERS - 1));
-        }
-        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES || self.chunk_bytes % 8 != 0 {
-            return bad(
-                "chunk_bytes",
-                format!(
-                    "{} must be a multiple of 8 (whole int32 and int64 elements) between 8 and {MAX_CHUNK_BYTES}",
-                    self.chunk_bytes
-                ),
-            );
-        }
-        if !self.nslots.is_power_of_two() || self.nslots > MAX_SLOTS {
-            return bad("nslots", format!("{} must be a power of two between 1 and {MAX_SLOTS}", self.nslots));
-        }
-        if self.window == 0 || self.window >= self.nslots {
-            return bad("window", format!("{} must be at least 1 and below nslots {}", self.window, self.nslots));
-        }
-        if self.slot_timeout.is_zero() || self.slot_timeout.as_nanos() > u128::from(u64::MAX) {
-            return bad("slot_timeout", format!("{:?} must be positive and fit 64-bit nanoseconds", self.slot_timeout));
-        }
-        if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 16 << 10 {
-            return bad(
-                "ring_bytes",
-                format!("{} must be a power of two of at least 16384 (a full record is 6896 bytes)", self.ring_bytes),
-            );
-        }
-        if self.wakeup_bytes >= self.ring_bytes {
-            return bad(
-                "wakeup_bytes",
-                format!(
-                    "{} must be below ring_bytes ({}): the ring would fill first",
-                    self.wakeup_bytes, self.ring_bytes
-                ),
-            );
-        }
-        Ok(())
-    }
-}
-
-/// How the XDP program is attached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum XdpMode {
-    /// In the driver (XDP_FLAGS_DRV_MODE).
-    Native,
-    /// Generic (skb) mode: the driver refused native mode.
-    Generic,
-}
-
-macro_rules! agg_stats {
-    ($($(#[$doc:meta])* $field:ident),* $(,)?) => {
-        /// Counters of xdp_agg and tc_agg_result (enum kccl_agg_stat, same
-        /// order), summed over CPUs.
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-        pub struct AggStats {
-            $($(#[$doc])* pub $field: u64,)*
-        }
-
-        impl AggStats {
-            const N: usize = [$(stringify!($field)),*].len();
-
-            fn from_array(a: [u64; Self::N]) -> AggStats {
-                let mut it = a.into_iter();
-                AggStats { $($field: it.next().unwrap_or(0),)* }
-            }
-
-            /// Counts since `before` (saturating: counters only grow).
-            pub fn delta(&self, before: &AggStats) -> AggStats {
-                AggStats { $($field: self.$field.saturating_sub(before.$field),)* }
-            }
-        }
-    };
-}
-
-agg_stats! {
-    /// Contributions added to a slot.
-    pkts,
-    /// Chunks completed.
-    chunks_done,
-    /// Allreduce result packets emitted (before fan-out).
-    results,
-    /// Reduce ack packets emitted (before fan-out).
-    acks,
-    /// Ring buffer records written.
-    records,
-    /// Contribution already counted (slot still active).
-    dup,
-    /// Contribution for a finished chunk: answer re-sent to its sender.
-    dup_done,
-    /// Slot held by another live chunk: dropped.
-    busy,
-    /// Abandoned chunk's slot taken after the deadline.
-    reclaimed,
-    /// Op/type/length/contributors differ from the slot's.
-    mismatch,
-    /// Sender not in the contributor mask.
-    not_contrib,
-    /// Source address is not the sender rank's.
-    not_member,
-    /// kccl magic but bad header: dropped.
-    malformed,
-    /// Op/type the kernel does not do: passed to user space.
-    unsupported,
-    /// KCCL_F_USER_ONLY: passed to user space.
-    user_only,
-    /// kccl packet of another job: passed.
-    other_job,
-    /// Ring buffer full: result kept, retried on retransmission.
-    ring_full,
-    /// Result chunks with a saturated or overflowed element.
-    overflow,
-    /// Not kccl aggregation traffic: passed.
-    passed,
-    /// tc_agg_result: copies sent.
-    fanout_copies,
-    /// tc_agg_result: destinations it could not serve.
-    fanout_missed,
-    /// Another chunk wanted a DONE slot whose answer not every contributor
-    /// has proven to hold yet: dropped (retransmitted by its sender).
-    held,
-    /// PENDING answers (missing contributors) to counted retransmissions.
-    pending,
-    /// KCCL_T_AGG_RECEIPT packets taken.
-    receipts,
-    /// ACTIVE slots freed by the sweep (AggEngine::sweep).
-    swept,
-    /// Contributions of a chunk whose answer their sender already proved to
-    /// hold (a late copy of a retransmission): dropped, never a new slot.
-    stale,
-}
-
-/// enum kccl_slot_state
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotState {
-    Free,
-    Active,
-    Delivering,
-    Done,
-    Undelivered,
-    Unknown(u32),
-}
-
-impl From<u32> for SlotState {
-    fn from(v: u32) -> Self {
-        match v {
-            0 => SlotState::Free,
-            1 => SlotState::Active,
-            2 => SlotState::Delivering,
-            3 => SlotState::Done,
-            4 => SlotState::Undelivered,
-            x => SlotState::Unknown(x),
-        }
-    }
-}
-
-/// How many slots are in each state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct SlotSummary {
-    pub free: u32,
-    pub active: u32,
-    pub delivering: u32,
-    pub done: u32,
-    pub undelivered: u32,
-    pub unknown: u32,
-}
-
-/// One slot as user space reads it (the lock is not taken: a snapshot).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotInfo {
-    pub state: SlotState,
-    pub expected: u64,
-    pub seen: u64,
-    pub claimed_ns: u64,
-    pub job_id: u32,
-    pub op_id: u32,
-    pub frag_off: u32,
-    pub msg_len: u32,
-    pub payload_len: u16,
-    pub mask_base: u16,
-    pub agg_op: u8,
-    pub dtype: u8,
-    pub overflow: bool,
-    pub contributors: u64,
-    /// The accumulators in use (payload_len / element size of them).
-    pub acc: Vec<i64>,
-}
-
-/// A completed reduce chunk from the ring buffer (struct kccl_agg_record).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AggRecordView<'a> {
-    pub job_id: u32,
-    pub op_id: u32,
-    pub frag_off: u32,
-    pub msg_len: u32,
-    pub payload_len: u16,
-    pub mask_base: u16,
-    pub agg_op: u8,
-    pub dtype: u8,
-    /// An int64 sum overflowed (I64 only): the values are not the true sums.
-    pub overflow: bool,
-    /// The contributor set (bit i = rank mask_base + i).
-    pub contributors: u64,
-    values: &'a [i64],
-}
-
-impl AggRecordView<'_> {
-    /// The chunk's combined values as int64 (payload_len / element size of them).
-    pub fn values(&self) -> &[i64] {
-        self.values
-    }
-}
-
-/// Wire element size of `dtype`, None for a type the kernel does not know.
-pub fn dtype_size(dtype: u8) -> Option<usize> {
-    match dtype {
-        DT_I32 | DT_F32Q => Some(4),
-        DT_I64 => Some(8),
-        _ => None,
-    }
-}
-
-fn u16_at(b: &[u8], off: usize) -> u16 {
-    u16::from_ne_bytes([b[off], b[off + 1]])
-}
-
-fn u32_at(b: &[u8], off: usize) -> u32 {
-    u32::from_ne_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
-}
-
-fn u64_at(b: &[u8], off: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[off..off + 8]);
-    u64::from_ne_bytes(a)
-}
-
-/// Header fields of a record (or of a slot's `rec`) at the start of `b`,
-/// which holds at least RECORD_HDR_LEN bytes, and the number of values.
-struct RecordHeader {
-    job_id: u32,
-    op_id: u32,
-    frag_off: u32,
-    msg_len: u32,
-    payload_len: u16,
-    mask_base: u16,
-    agg_op: u8,
-    dtype: u8,
-    overflow: bool,
-    contributors: u64,
-    nvalues: usize,
-}
-
-fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
-    type R = kccl_agg_record;
-    if b.len() < RECORD_HDR_LEN {
-        return Err(Error::AggRecord(format!("{} bytes, shorter than the {RECORD_HDR_LEN}-byte header", b.len())));
-    }
-    let payload_len = u16_at(b, offset_of!(R, payload_len));
-    let dtype = b[offset_of!(R, dtype)];
-    let size = dtype_size(dtype).ok_or_else(|| Error::AggRecord(format!("unknown dtype {dtype}")))?;
-    let nvalues = usize::from(payload_len) / size;
-    if usize::from(payload_len) % size != 0 || nvalues > MAX_ELEMS {
-        return Err(Error::AggRecord(format!(
-            "payload_len {payload_len} is not a whole number of dtype {dtype} elements"
-        )));
-    }
-    Ok(RecordHeader {
-        job_id: u32_at(b, offset_of!(R, job_id)),
-        op_id: u32_at(b, offset_of!(R, op_id)),
-        frag_off: u32_at(b, offset_of!(R, frag_off)),
-        msg_len: u32_at(b, offset_of!(R, msg_len)),
-        payload_len,
-        mask_base: u16_at(b, offset_of!(R, mask_base)),
-        agg_op: b[offset_of!(R, agg_op)],
-        dtype,
-        overflow: b[offset_of!(R, overflow)] != 0,
-        contributors: u64_at(b, offset_of!(R, contributors)),
-        nvalues,
-    })
-}
-
-fn parse_values(b: &[u8], n: usize, out: &mut Vec<i64>) -> Result<()> {
-    let need = RECORD_HDR_LEN + n * 8;
-    let vals = b
-        .get(RECORD_HDR_LEN..need)
-        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {n} values", b.len())))?;
-    out.clear();
-    out.extend(vals.chunks_exact(8).map(|c| u64_at(c, 0) as i64));
-    Ok(())
-}
-
-/// Records copied out of the ring buffer by its callback (which must be
-/// 'static), handed to the caller of poll_records.
-#[derive(Default)]
-struct RecordQueue {
-    bytes: Vec<u8>,
-    spans: Vec<(usize, usize)>,
-}
 
 /// The aggregation engine of one job on one interface.
 pub struct AggEngine {
@@ -411,10 +61,6 @@ pub struct AggEngine {
     misses: Arc<Mutex<Vec<MissEvent>>>,
     xdp: XdpAggSkel<'static>,
     result: TcAggResultSkel<'static>,
-}
-
-fn unavailable(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::KernelPathUnavailable { reason: format!("{what}: {e}") }
 }
 
 impl AggEngine {
@@ -751,126 +397,6 @@ impl AggEngine {
         Ok(self.stats()?.swept.saturating_sub(before))
     }
 
-    /// What rank `rank` has proven it received (struct kccl_agg_acks):
-    /// None, or (op id, bound): every answer of earlier operations and of
-    /// chunks below `bound` of this one.
-    pub fn ack_of(&self, rank: u16) -> Result<Option<(u32, u32)>> {
-        let v = self
-            .xdp
-            .maps
-            .agg_acks
-            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|e| Error::Bpf { step: "reading agg_acks".into(), source: e })?
-            .unwrap_or_default();
-        let off = usize::from(rank) * 8;
-        if v.len() < off + 8 {
-            return Err(Error::Usage(format!("agg_acks has no entry for rank {rank}")));
-        }
-        let a = u64::from_ne_bytes(v[off..off + 8].try_into().unwrap_or([0; 8]));
-        Ok((a != 0).then(|| ((a >> 32) as u32, (a as u32).wrapping_sub(1))))
-    }
-
-    /// Slots held by operation `op_id` (any state but FREE), as (index, state).
-    pub fn slots_of_op(&self, op_id: u32) -> Result<Vec<(u32, SlotState)>> {
-        let mut out = Vec::new();
-        for index in 0..self.cfg.nslots {
-            let s = self.slot(index)?;
-            if s.state != SlotState::Free && s.job_id == self.cfg.job_id && s.op_id == op_id {
-                out.push((index, s.state));
-            }
-        }
-        Ok(out)
-    }
-
-    /// The slot of chunk `frag_off` of operation `op_id` (the program's hash).
-    pub fn slot_index(&self, op_id: u32, frag_off: u32) -> u32 {
-        let chunk = frag_off / self.cfg.chunk_bytes;
-        op_id.wrapping_mul(0x9E37_79B1).wrapping_add(chunk) & (self.cfg.nslots - 1)
-    }
-
-    /// A snapshot of slot `index`.
-    pub fn slot(&self, index: u32) -> Result<SlotInfo> {
-        use crate::skel_agg::types::kccl_agg_slot as S;
-        if index >= self.cfg.nslots {
-            return Err(Error::Usage(format!("slot {index} is beyond the {} slots", self.cfg.nslots)));
-        }
-        let v = self
-            .xdp
-            .maps
-            .agg_slots
-            .lookup(&index.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
-            .ok_or_else(|| Error::Usage(format!("agg_slots[{index}] missing")))?;
-        if v.len() < size_of::<S>() {
-            return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
-        }
-        let rec = &v[offset_of!(S, rec)..];
-        let h = parse_record_header(rec);
-        let mut acc = Vec::new();
-        let (nvalues, h) = match h {
-            Ok(h) => (h.nvalues, Some(h)),
-            Err(_) => (0, None),
-        };
-        parse_values(rec, nvalues, &mut acc)?;
-        let h = h.unwrap_or(RecordHeader {
-            job_id: u32_at(rec, 0),
-            op_id: u32_at(rec, 4),
-            frag_off: u32_at(rec, 8),
-            msg_len: u32_at(rec, 12),
-            payload_len: u16_at(rec, 16),
-            mask_base: u16_at(rec, 18),
-            agg_op: rec[20],
-            dtype: rec[21],
-            overflow: rec[22] != 0,
-            contributors: u64_at(rec, 24),
-            nvalues: 0,
-        });
-        Ok(SlotInfo {
-            state: u32_at(&v, offset_of!(S, state)).into(),
-            expected: u64_at(&v, offset_of!(S, expected)),
-            seen: u64_at(&v, offset_of!(S, seen)),
-            claimed_ns: u64_at(&v, offset_of!(S, claimed_ns)),
-            job_id: h.job_id,
-            op_id: h.op_id,
-            frag_off: h.frag_off,
-            msg_len: h.msg_len,
-            payload_len: h.payload_len,
-            mask_base: h.mask_base,
-            agg_op: h.agg_op,
-            dtype: h.dtype,
-            overflow: h.overflow,
-            contributors: h.contributors,
-            acc,
-        })
-    }
-
-    /// How many slots are in each state (for tests and reclaim checks).
-    pub fn slots(&self) -> Result<SlotSummary> {
-        use crate::skel_agg::types::kccl_agg_slot as S;
-        let mut sum = SlotSummary::default();
-        for index in 0..self.cfg.nslots {
-            let v = self
-                .xdp
-                .maps
-                .agg_slots
-                .lookup(&index.to_ne_bytes(), MapFlags::ANY)
-                .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
-                .unwrap_or_default();
-            if v.len() < size_of::<S>() {
-                return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
-            }
-            match SlotState::from(u32_at(&v, offset_of!(S, state))) {
-                SlotState::Free => sum.free += 1,
-                SlotState::Active => sum.active += 1,
-                SlotState::Delivering => sum.delivering += 1,
-                SlotState::Done => sum.done += 1,
-                SlotState::Undelivered => sum.undelivered += 1,
-                SlotState::Unknown(_) => sum.unknown += 1,
-            }
-        }
-        Ok(sum)
-    }
-
     /// Instructions the verifier processed for (xdp_agg, tc_agg_result).
     pub fn verified_insns(&self) -> Result<(u32, u32)> {
         Ok((
@@ -890,34 +416,13 @@ impl AggEngine {
     }
 }
 
-fn verified_insns(fd: i32) -> Result<u32> {
-    // SAFETY: zeroed bpf_prog_info is valid; the kernel fills up to len bytes.
-    let mut info: libbpf_rs::libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
-    let mut len = size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
-    // SAFETY: fd is a program fd; info/len describe a valid buffer.
-    let rc = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(fd, &mut info, &mut len) };
-    if rc != 0 {
-        return Err(Error::io("reading BPF program info", std::io::Error::from_raw_os_error(-rc)));
-    }
-    Ok(info.verified_insns)
-}
-
-/// Name of interface `ifindex` in the calling thread's namespace.
-fn ifname(ifindex: u32) -> Option<String> {
-    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: buf holds IF_NAMESIZE bytes as if_indextoname requires.
-    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
-    if p.is_null() {
-        return None;
-    }
-    // SAFETY: if_indextoname wrote a NUL-terminated name into buf.
-    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_str().ok().map(str::to_owned)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::record::{DT_I32, DT_I64};
     use super::*;
-    use crate::skel_agg::types::kccl_agg_slot;
+    use crate::group::MAX_MEMBERS;
+    use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot};
+    use std::mem::offset_of;
 
     /// The generated types are the C layout of bpf/include/kccl_agg.h.
     #[test]

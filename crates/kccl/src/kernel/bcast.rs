@@ -1,56 +1,19 @@
-//! The BPF data plane seen from user space: typed handles over the generated
-//! skeletons, configuration in read-only globals before load, links that the
-//! kernel removes when the process dies.
+//! The broadcast fan-out (tc_bcast at TCX egress of the sender's
+//! interface): loading with its read-only configuration, attaching, the
+//! members it copies to, its counters and miss events.
 
-use std::collections::HashMap;
-use std::mem::MaybeUninit;
-use std::net::Ipv4Addr;
+use crate::error::{Error, Result};
+use crate::group::Member;
+use crate::skel::{types, TcBcastSkel, TcBcastSkelBuilder};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, RingBuffer, RingBufferBuilder};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, RingBuffer, RingBufferBuilder};
-
-use crate::error::{is_root, Error, Result};
-use crate::group::{Member, MAX_MEMBERS};
-use crate::skel::{types, TcBcastSkel, TcBcastSkelBuilder};
+use super::{member_entry, parse_miss_event, skeleton_storage, write_member_entry, MissEvent};
 
 /// skb->mark of the copies tc_bcast makes ("kccl"); see the program header.
 pub const CLONE_MARK: u32 = 0x6b63_636c;
-
-// enum kccl_member_flag
-const M_PRESENT: u32 = 1 << 0;
-const M_RESOLVED: u32 = 1 << 1;
-
-/// enum kccl_miss_reason
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MissReason {
-    Unresolved,
-    NotMember,
-    CloneFailed,
-    Unknown(u16),
-}
-
-impl From<u16> for MissReason {
-    fn from(v: u16) -> Self {
-        match v {
-            1 => MissReason::Unresolved,
-            2 => MissReason::NotMember,
-            3 => MissReason::CloneFailed,
-            x => MissReason::Unknown(x),
-        }
-    }
-}
-
-/// A destination the kernel fan-out did not serve (struct kccl_miss_event).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MissEvent {
-    pub job_id: u32,
-    pub msg_seq: u32,
-    pub frag_off: u32,
-    pub rank: u16,
-    pub reason: MissReason,
-}
 
 /// Counters of tc_bcast (enum kccl_bcast_stat), summed over CPUs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -74,61 +37,6 @@ impl BcastStats {
             passed: self.passed - before.passed,
         }
     }
-}
-
-/// The members-map entry (struct kccl_member) of a member at `addr`:`port`
-/// whose next-hop MAC is `mac` (None: unresolved neighbour, so the programs
-/// report the destination instead of sending to a wrong or zero MAC).  The one
-/// encoding of a member, used by [`BcastFanout`] and the aggregation engine.
-pub(crate) fn member_entry(addr: Ipv4Addr, port: u16, mac: Option<[u8; 6]>) -> types::kccl_member {
-    types::kccl_member {
-        ip_be: u32::from(addr).to_be(),
-        port_be: port.to_be(),
-        mac: mac.unwrap_or_default(),
-        flags: M_PRESENT | if mac.is_some() { M_RESOLVED } else { 0 },
-    }
-}
-
-/// Writes `members[rank] = v` into a members map (ARRAY of struct kccl_member).
-pub(crate) fn write_member_entry<M: MapCore>(map: &M, rank: u16, v: &types::kccl_member) -> Result<()> {
-    if rank as usize >= MAX_MEMBERS {
-        return Err(Error::Usage(format!("rank {rank} exceeds the kernel limit of {MAX_MEMBERS} members")));
-    }
-    // SAFETY: kccl_member is plain old data; we view it as bytes.
-    let bytes =
-        unsafe { std::slice::from_raw_parts((v as *const types::kccl_member).cast::<u8>(), std::mem::size_of_val(v)) };
-    map.update(&u32::from(rank).to_ne_bytes(), bytes, MapFlags::ANY)
-        .map_err(|e| Error::Bpf { step: format!("writing members[{rank}]"), source: e })
-}
-
-/// A struct kccl_miss_event from a ring buffer record (tc_bcast's or
-/// tc_agg_result's); None if the record is too short.
-pub(crate) fn parse_miss_event(raw: &[u8]) -> Option<MissEvent> {
-    if raw.len() < std::mem::size_of::<types::kccl_miss_event>() {
-        return None;
-    }
-    // SAFETY: the record is a struct kccl_miss_event written by a kccl
-    // program (length checked; read_unaligned needs no alignment).
-    let ev: types::kccl_miss_event = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
-    Some(MissEvent {
-        job_id: ev.job_id,
-        msg_seq: ev.msg_seq,
-        frag_off: ev.frag_off,
-        rank: ev.rank,
-        reason: ev.reason.into(),
-    })
-}
-
-/// Checks what loading BPF needs and returns storage for a skeleton's
-/// OpenObject, which the skeleton borrows for as long as the program is loaded
-/// (a pointer-sized allocation per load, kept for the process lifetime).
-pub(crate) fn skeleton_storage(what: &str) -> Result<&'static mut MaybeUninit<libbpf_rs::OpenObject>> {
-    if !is_root() {
-        return Err(Error::KernelPathUnavailable {
-            reason: format!("not root: loading {what} needs CAP_BPF and CAP_NET_ADMIN (run with sudo)"),
-        });
-    }
-    Ok(Box::leak(Box::new(MaybeUninit::uninit())))
 }
 
 /// The broadcast fan-out program of one job on one interface.
@@ -263,33 +171,4 @@ impl BcastFanout {
     pub fn skel(&self) -> &TcBcastSkel<'static> {
         &self.skel
     }
-}
-
-/// Complete neighbour entries of `iface` in the calling thread's namespace
-/// (/proc/thread-self: /proc/self/net would be the main thread's namespace).
-pub fn neighbours(iface: &str) -> HashMap<Ipv4Addr, [u8; 6]> {
-    const ATF_COM: u32 = 0x2;
-    let text = std::fs::read_to_string("/proc/thread-self/net/arp").unwrap_or_default();
-    let mut out = HashMap::new();
-    for line in text.lines().skip(1) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 6 || f[5] != iface {
-            continue;
-        }
-        let flags = u32::from_str_radix(f[2].trim_start_matches("0x"), 16).unwrap_or(0);
-        let (Ok(ip), Some(mac)) = (f[0].parse::<Ipv4Addr>(), parse_mac(f[3])) else { continue };
-        if flags & ATF_COM != 0 && mac != [0; 6] {
-            out.insert(ip, mac);
-        }
-    }
-    out
-}
-
-pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = s.split(':');
-    for b in mac.iter_mut() {
-        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
 }

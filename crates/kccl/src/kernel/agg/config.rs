@@ -1,0 +1,126 @@
+//! What the aggregation engine is configured with before load (read-only
+//! globals and map sizes), the limits of the C headers it is checked
+//! against, and how its XDP program ended up attached.
+
+use std::mem::{offset_of, size_of};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::group::MAX_MEMBERS;
+use crate::skel_agg::types::kccl_agg_record;
+
+/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD).
+pub const MAX_CHUNK_BYTES: u32 = 3432;
+/// Accumulators per slot (KCCL_AGG_MAX_ELEMS).
+pub const MAX_ELEMS: usize = MAX_CHUNK_BYTES as usize / 4;
+/// Bytes of a ring buffer record before the values (KCCL_AGG_RECORD_HDR_LEN).
+pub const RECORD_HDR_LEN: usize = 32;
+/// Default chunk size: a 1500-byte MTU (1500 - 20 - 8 - 40).
+pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
+/// Largest slot count [`AggEngine::load`] accepts (a slot is ~6.9 KiB).
+pub const MAX_SLOTS: u32 = 1 << 14;
+
+// The C headers are the definition; fail the build if the generated copies move.
+const _: () = assert!(size_of::<kccl_agg_record>() == RECORD_HDR_LEN + MAX_ELEMS * 8);
+const _: () = assert!(offset_of!(kccl_agg_record, acc) == RECORD_HDR_LEN);
+const _: () = assert!(
+    size_of::<crate::skel_agg::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
+        && size_of::<crate::skel_agg_result::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
+);
+
+/// Configuration of the engine (read-only globals of the programs and map
+/// sizes, fixed at load).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AggEngineConfig {
+    pub job_id: u32,
+    /// The aggregator's UDP port (contributions go there).
+    pub port: u16,
+    /// The aggregator's rank (src_rank of the answers).
+    pub my_rank: u16,
+    /// The job's chunk size: a multiple of 8, at most [`MAX_CHUNK_BYTES`].
+    pub chunk_bytes: u32,
+    /// Aggregation slots: a power of two, at most [`MAX_SLOTS`].
+    pub nslots: u32,
+    /// An unfinished chunk older than this may lose its slot.
+    pub slot_timeout: Duration,
+    /// Ring buffer size for reduce records: a power of two >= 16 KiB.
+    pub ring_bytes: u32,
+    /// Wake the reader when the ring holds more than this (or an operation
+    /// completed); below, records are written without a wake-up.
+    pub wakeup_bytes: u32,
+    /// The job's largest contributor window (AggConfig::window): below
+    /// nslots; a contribution of chunk c proves its sender holds every
+    /// answer below c + 1 - window (docs/AGGREGATION.md, "Slot reuse").
+    pub window: u32,
+}
+
+impl AggEngineConfig {
+    /// Defaults: chunk 1432 bytes, 1024 slots, 2 s slot timeout, 64 MiB ring,
+    /// wake-up after 1 MiB.
+    pub fn new(job_id: u32, port: u16, my_rank: u16) -> Self {
+        AggEngineConfig {
+            job_id,
+            port,
+            my_rank,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            nslots: 1024,
+            slot_timeout: Duration::from_secs(2),
+            ring_bytes: 64 << 20,
+            wakeup_bytes: 1 << 20,
+            window: 256,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, msg: String| Err(Error::AggConfig { field, msg });
+        if self.port == 0 {
+            return bad("port", "0 is not a UDP port contributors can send to".into());
+        }
+        if usize::from(self.my_rank) >= MAX_MEMBERS {
+            return bad("my_rank", format!("{} is outside 0..{}", self.my_rank, MAX_MEMBERS - 1));
+        }
+        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES || self.chunk_bytes % 8 != 0 {
+            return bad(
+                "chunk_bytes",
+                format!(
+                    "{} must be a multiple of 8 (whole int32 and int64 elements) between 8 and {MAX_CHUNK_BYTES}",
+                    self.chunk_bytes
+                ),
+            );
+        }
+        if !self.nslots.is_power_of_two() || self.nslots > MAX_SLOTS {
+            return bad("nslots", format!("{} must be a power of two between 1 and {MAX_SLOTS}", self.nslots));
+        }
+        if self.window == 0 || self.window >= self.nslots {
+            return bad("window", format!("{} must be at least 1 and below nslots {}", self.window, self.nslots));
+        }
+        if self.slot_timeout.is_zero() || self.slot_timeout.as_nanos() > u128::from(u64::MAX) {
+            return bad("slot_timeout", format!("{:?} must be positive and fit 64-bit nanoseconds", self.slot_timeout));
+        }
+        if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 16 << 10 {
+            return bad(
+                "ring_bytes",
+                format!("{} must be a power of two of at least 16384 (a full record is 6896 bytes)", self.ring_bytes),
+            );
+        }
+        if self.wakeup_bytes >= self.ring_bytes {
+            return bad(
+                "wakeup_bytes",
+                format!(
+                    "{} must be below ring_bytes ({}): the ring would fill first",
+                    self.wakeup_bytes, self.ring_bytes
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// How the XDP program is attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum XdpMode {
+    /// In the driver (XDP_FLAGS_DRV_MODE).
+    Native,
+    /// Generic (skb) mode: the driver refused native mode.
+    Generic,
+}

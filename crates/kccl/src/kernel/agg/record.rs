@@ -1,0 +1,125 @@
+//! Completed reduce chunks as xdp_agg writes them to its ring buffer
+//! (struct kccl_agg_record): bounds-checked parsing of the header and the
+//! int64 accumulators.
+
+use std::mem::offset_of;
+
+use super::{MAX_ELEMS, RECORD_HDR_LEN};
+use crate::error::{Error, Result};
+use crate::skel_agg::types::kccl_agg_record;
+
+// enum kccl_dtype
+pub(super) const DT_I32: u8 = 1;
+pub(super) const DT_I64: u8 = 2;
+pub(super) const DT_F32Q: u8 = 3;
+
+/// A completed reduce chunk from the ring buffer (struct kccl_agg_record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AggRecordView<'a> {
+    pub job_id: u32,
+    pub op_id: u32,
+    pub frag_off: u32,
+    pub msg_len: u32,
+    pub payload_len: u16,
+    pub mask_base: u16,
+    pub agg_op: u8,
+    pub dtype: u8,
+    /// An int64 sum overflowed (I64 only): the values are not the true sums.
+    pub overflow: bool,
+    /// The contributor set (bit i = rank mask_base + i).
+    pub contributors: u64,
+    pub(super) values: &'a [i64],
+}
+
+impl AggRecordView<'_> {
+    /// The chunk's combined values as int64 (payload_len / element size of them).
+    pub fn values(&self) -> &[i64] {
+        self.values
+    }
+}
+
+/// Wire element size of `dtype`, None for a type the kernel does not know.
+pub fn dtype_size(dtype: u8) -> Option<usize> {
+    match dtype {
+        DT_I32 | DT_F32Q => Some(4),
+        DT_I64 => Some(8),
+        _ => None,
+    }
+}
+
+pub(super) fn u16_at(b: &[u8], off: usize) -> u16 {
+    u16::from_ne_bytes([b[off], b[off + 1]])
+}
+
+pub(super) fn u32_at(b: &[u8], off: usize) -> u32 {
+    u32::from_ne_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+pub(super) fn u64_at(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_ne_bytes(a)
+}
+
+/// Header fields of a record (or of a slot's `rec`) at the start of `b`,
+/// which holds at least RECORD_HDR_LEN bytes, and the number of values.
+pub(super) struct RecordHeader {
+    pub(super) job_id: u32,
+    pub(super) op_id: u32,
+    pub(super) frag_off: u32,
+    pub(super) msg_len: u32,
+    pub(super) payload_len: u16,
+    pub(super) mask_base: u16,
+    pub(super) agg_op: u8,
+    pub(super) dtype: u8,
+    pub(super) overflow: bool,
+    pub(super) contributors: u64,
+    pub(super) nvalues: usize,
+}
+
+pub(super) fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
+    type R = kccl_agg_record;
+    if b.len() < RECORD_HDR_LEN {
+        return Err(Error::AggRecord(format!("{} bytes, shorter than the {RECORD_HDR_LEN}-byte header", b.len())));
+    }
+    let payload_len = u16_at(b, offset_of!(R, payload_len));
+    let dtype = b[offset_of!(R, dtype)];
+    let size = dtype_size(dtype).ok_or_else(|| Error::AggRecord(format!("unknown dtype {dtype}")))?;
+    let nvalues = usize::from(payload_len) / size;
+    if usize::from(payload_len) % size != 0 || nvalues > MAX_ELEMS {
+        return Err(Error::AggRecord(format!(
+            "payload_len {payload_len} is not a whole number of dtype {dtype} elements"
+        )));
+    }
+    Ok(RecordHeader {
+        job_id: u32_at(b, offset_of!(R, job_id)),
+        op_id: u32_at(b, offset_of!(R, op_id)),
+        frag_off: u32_at(b, offset_of!(R, frag_off)),
+        msg_len: u32_at(b, offset_of!(R, msg_len)),
+        payload_len,
+        mask_base: u16_at(b, offset_of!(R, mask_base)),
+        agg_op: b[offset_of!(R, agg_op)],
+        dtype,
+        overflow: b[offset_of!(R, overflow)] != 0,
+        contributors: u64_at(b, offset_of!(R, contributors)),
+        nvalues,
+    })
+}
+
+pub(super) fn parse_values(b: &[u8], n: usize, out: &mut Vec<i64>) -> Result<()> {
+    let need = RECORD_HDR_LEN + n * 8;
+    let vals = b
+        .get(RECORD_HDR_LEN..need)
+        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {n} values", b.len())))?;
+    out.clear();
+    out.extend(vals.chunks_exact(8).map(|c| u64_at(c, 0) as i64));
+    Ok(())
+}
+
+/// Records copied out of the ring buffer by its callback (which must be
+/// 'static), handed to the caller of poll_records.
+#[derive(Default)]
+pub(super) struct RecordQueue {
+    pub(super) bytes: Vec<u8>,
+    pub(super) spans: Vec<(usize, usize)>,
+}

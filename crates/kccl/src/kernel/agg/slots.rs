@@ -1,0 +1,189 @@
+//! Looking into the engine's slot table and acknowledgment map from user
+//! space (snapshots without the lock): for tests, reclaim checks and the
+//! sender's view of what each member has proven it received.
+
+use std::mem::{offset_of, size_of};
+
+use libbpf_rs::{MapCore, MapFlags};
+
+use super::record::{parse_record_header, parse_values, u16_at, u32_at, u64_at, RecordHeader};
+use super::AggEngine;
+use crate::error::{Error, Result};
+
+/// enum kccl_slot_state
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    Active,
+    Delivering,
+    Done,
+    Undelivered,
+    Unknown(u32),
+}
+
+impl From<u32> for SlotState {
+    fn from(v: u32) -> Self {
+        match v {
+            0 => SlotState::Free,
+            1 => SlotState::Active,
+            2 => SlotState::Delivering,
+            3 => SlotState::Done,
+            4 => SlotState::Undelivered,
+            x => SlotState::Unknown(x),
+        }
+    }
+}
+
+/// How many slots are in each state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SlotSummary {
+    pub free: u32,
+    pub active: u32,
+    pub delivering: u32,
+    pub done: u32,
+    pub undelivered: u32,
+    pub unknown: u32,
+}
+
+/// One slot as user space reads it (the lock is not taken: a snapshot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub state: SlotState,
+    pub expected: u64,
+    pub seen: u64,
+    pub claimed_ns: u64,
+    pub job_id: u32,
+    pub op_id: u32,
+    pub frag_off: u32,
+    pub msg_len: u32,
+    pub payload_len: u16,
+    pub mask_base: u16,
+    pub agg_op: u8,
+    pub dtype: u8,
+    pub overflow: bool,
+    pub contributors: u64,
+    /// The accumulators in use (payload_len / element size of them).
+    pub acc: Vec<i64>,
+}
+
+impl AggEngine {
+    /// What rank `rank` has proven it received (struct kccl_agg_acks):
+    /// None, or (op id, bound): every answer of earlier operations and of
+    /// chunks below `bound` of this one.
+    pub fn ack_of(&self, rank: u16) -> Result<Option<(u32, u32)>> {
+        let v = self
+            .xdp
+            .maps
+            .agg_acks
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| Error::Bpf { step: "reading agg_acks".into(), source: e })?
+            .unwrap_or_default();
+        let off = usize::from(rank) * 8;
+        if v.len() < off + 8 {
+            return Err(Error::Usage(format!("agg_acks has no entry for rank {rank}")));
+        }
+        let a = u64::from_ne_bytes(v[off..off + 8].try_into().unwrap_or([0; 8]));
+        Ok((a != 0).then(|| ((a >> 32) as u32, (a as u32).wrapping_sub(1))))
+    }
+
+    /// Slots held by operation `op_id` (any state but FREE), as (index, state).
+    pub fn slots_of_op(&self, op_id: u32) -> Result<Vec<(u32, SlotState)>> {
+        let mut out = Vec::new();
+        for index in 0..self.cfg.nslots {
+            let s = self.slot(index)?;
+            if s.state != SlotState::Free && s.job_id == self.cfg.job_id && s.op_id == op_id {
+                out.push((index, s.state));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The slot of chunk `frag_off` of operation `op_id` (the program's hash).
+    pub fn slot_index(&self, op_id: u32, frag_off: u32) -> u32 {
+        let chunk = frag_off / self.cfg.chunk_bytes;
+        op_id.wrapping_mul(0x9E37_79B1).wrapping_add(chunk) & (self.cfg.nslots - 1)
+    }
+
+    /// A snapshot of slot `index`.
+    pub fn slot(&self, index: u32) -> Result<SlotInfo> {
+        use crate::skel_agg::types::kccl_agg_slot as S;
+        if index >= self.cfg.nslots {
+            return Err(Error::Usage(format!("slot {index} is beyond the {} slots", self.cfg.nslots)));
+        }
+        let v = self
+            .xdp
+            .maps
+            .agg_slots
+            .lookup(&index.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
+            .ok_or_else(|| Error::Usage(format!("agg_slots[{index}] missing")))?;
+        if v.len() < size_of::<S>() {
+            return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
+        }
+        let rec = &v[offset_of!(S, rec)..];
+        let h = parse_record_header(rec);
+        let mut acc = Vec::new();
+        let (nvalues, h) = match h {
+            Ok(h) => (h.nvalues, Some(h)),
+            Err(_) => (0, None),
+        };
+        parse_values(rec, nvalues, &mut acc)?;
+        let h = h.unwrap_or(RecordHeader {
+            job_id: u32_at(rec, 0),
+            op_id: u32_at(rec, 4),
+            frag_off: u32_at(rec, 8),
+            msg_len: u32_at(rec, 12),
+            payload_len: u16_at(rec, 16),
+            mask_base: u16_at(rec, 18),
+            agg_op: rec[20],
+            dtype: rec[21],
+            overflow: rec[22] != 0,
+            contributors: u64_at(rec, 24),
+            nvalues: 0,
+        });
+        Ok(SlotInfo {
+            state: u32_at(&v, offset_of!(S, state)).into(),
+            expected: u64_at(&v, offset_of!(S, expected)),
+            seen: u64_at(&v, offset_of!(S, seen)),
+            claimed_ns: u64_at(&v, offset_of!(S, claimed_ns)),
+            job_id: h.job_id,
+            op_id: h.op_id,
+            frag_off: h.frag_off,
+            msg_len: h.msg_len,
+            payload_len: h.payload_len,
+            mask_base: h.mask_base,
+            agg_op: h.agg_op,
+            dtype: h.dtype,
+            overflow: h.overflow,
+            contributors: h.contributors,
+            acc,
+        })
+    }
+
+    /// How many slots are in each state (for tests and reclaim checks).
+    pub fn slots(&self) -> Result<SlotSummary> {
+        use crate::skel_agg::types::kccl_agg_slot as S;
+        let mut sum = SlotSummary::default();
+        for index in 0..self.cfg.nslots {
+            let v = self
+                .xdp
+                .maps
+                .agg_slots
+                .lookup(&index.to_ne_bytes(), MapFlags::ANY)
+                .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
+                .unwrap_or_default();
+            if v.len() < size_of::<S>() {
+                return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
+            }
+            match SlotState::from(u32_at(&v, offset_of!(S, state))) {
+                SlotState::Free => sum.free += 1,
+                SlotState::Active => sum.active += 1,
+                SlotState::Delivering => sum.delivering += 1,
+                SlotState::Done => sum.done += 1,
+                SlotState::Undelivered => sum.undelivered += 1,
+                SlotState::Unknown(_) => sum.unknown += 1,
+            }
+        }
+        Ok(sum)
+    }
+}

@@ -1,0 +1,83 @@
+//! The aggregation engine's counters (enum kccl_agg_stat), summed over CPUs.
+
+macro_rules! agg_stats {
+    ($($(#[$doc:meta])* $field:ident),* $(,)?) => {
+        /// Counters of xdp_agg and tc_agg_result (enum kccl_agg_stat, same
+        /// order), summed over CPUs.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+        pub struct AggStats {
+            $($(#[$doc])* pub $field: u64,)*
+        }
+
+        impl AggStats {
+            pub(super) const N: usize = [$(stringify!($field)),*].len();
+
+            pub(super) fn from_array(a: [u64; Self::N]) -> AggStats {
+                let mut it = a.into_iter();
+                AggStats { $($field: it.next().unwrap_or(0),)* }
+            }
+
+            /// Counts since `before` (saturating: counters only grow).
+            pub fn delta(&self, before: &AggStats) -> AggStats {
+                AggStats { $($field: self.$field.saturating_sub(before.$field),)* }
+            }
+        }
+    };
+}
+
+agg_stats! {
+    /// Contributions added to a slot.
+    pkts,
+    /// Chunks completed.
+    chunks_done,
+    /// Allreduce result packets emitted (before fan-out).
+    results,
+    /// Reduce ack packets emitted (before fan-out).
+    acks,
+    /// Ring buffer records written.
+    records,
+    /// Contribution already counted (slot still active).
+    dup,
+    /// Contribution for a finished chunk: answer re-sent to its sender.
+    dup_done,
+    /// Slot held by another live chunk: dropped.
+    busy,
+    /// Abandoned chunk's slot taken after the deadline.
+    reclaimed,
+    /// Op/type/length/contributors differ from the slot's.
+    mismatch,
+    /// Sender not in the contributor mask.
+    not_contrib,
+    /// Source address is not the sender rank's.
+    not_member,
+    /// kccl magic but bad header: dropped.
+    malformed,
+    /// Op/type the kernel does not do: passed to user space.
+    unsupported,
+    /// KCCL_F_USER_ONLY: passed to user space.
+    user_only,
+    /// kccl packet of another job: passed.
+    other_job,
+    /// Ring buffer full: result kept, retried on retransmission.
+    ring_full,
+    /// Result chunks with a saturated or overflowed element.
+    overflow,
+    /// Not kccl aggregation traffic: passed.
+    passed,
+    /// tc_agg_result: copies sent.
+    fanout_copies,
+    /// tc_agg_result: destinations it could not serve.
+    fanout_missed,
+    /// Another chunk wanted a DONE slot whose answer not every contributor
+    /// has proven to hold yet: dropped (retransmitted by its sender).
+    held,
+    /// PENDING answers (missing contributors) to counted retransmissions.
+    pending,
+    /// KCCL_T_AGG_RECEIPT packets taken.
+    receipts,
+    /// ACTIVE slots freed by the sweep (AggEngine::sweep).
+    swept,
+    /// Contributions of a chunk whose answer their sender already proved to
+    /// hold (a late copy of a retransmission): dropped, never a new slot.
+    stale,
+}

@@ -1,0 +1,21 @@
+//! The BPF data plane seen from user space: typed handles over the generated
+//! skeletons, configuration in read-only globals before load, links that the
+//! kernel removes when the process dies.
+//!
+//! Files: what every object needs to load (load.rs); the members map and
+//! the neighbour table behind it (members.rs); the miss events of both
+//! fan-outs (misses.rs); the broadcast fan-out (bcast.rs); the aggregation
+//! engine (agg/).
+
+pub mod agg;
+mod bcast;
+mod load;
+mod members;
+mod misses;
+
+pub use bcast::{BcastFanout, BcastStats, CLONE_MARK};
+pub(crate) use load::{skeleton_storage, unavailable, verified_insns};
+pub(crate) use members::{ifname, member_entry, write_member_entry};
+pub use members::{neighbours, parse_mac};
+pub(crate) use misses::parse_miss_event;
+pub use misses::{MissEvent, MissReason};
