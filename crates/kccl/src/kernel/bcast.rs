@@ -6,11 +6,9 @@ use crate::error::{Error, Result};
 use crate::group::Member;
 use crate::skel::{types, TcBcastSkel, TcBcastSkelBuilder};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, RingBuffer, RingBufferBuilder};
-use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use libbpf_rs::Link;
 
-use super::{member_entry, parse_miss_event, skeleton_storage, write_member_entry, MissEvent};
+use super::{attach_tcx, member_entry, skeleton_storage, sum_percpu, write_member_entry, MissEvent, MissReader};
 
 /// skb->mark of the copies tc_bcast makes ("kccl"); see the program header.
 pub const CLONE_MARK: u32 = 0x6b63_636c;
@@ -44,8 +42,7 @@ pub struct BcastFanout {
     skel: TcBcastSkel<'static>,
     link: Option<Link>,
     ifindex: u32,
-    ring: RingBuffer<'static>,
-    misses: Arc<Mutex<Vec<MissEvent>>>,
+    misses: MissReader,
 }
 
 impl BcastFanout {
@@ -66,20 +63,8 @@ impl BcastFanout {
         let skel = open
             .load()
             .map_err(|e| Error::KernelPathUnavailable { reason: format!("the kernel refused to load {WHAT}: {e}") })?;
-        let misses: Arc<Mutex<Vec<MissEvent>>> = Arc::default();
-        let sink = Arc::clone(&misses);
-        let mut rb = RingBufferBuilder::new();
-        rb.add(&skel.maps.miss_events, move |raw: &[u8]| {
-            if let Some(ev) = parse_miss_event(raw) {
-                if let Ok(mut v) = sink.lock() {
-                    v.push(ev);
-                }
-            }
-            0
-        })
-        .map_err(|e| Error::Bpf { step: "adding the miss_events ring buffer".into(), source: e })?;
-        let ring = rb.build().map_err(|e| Error::Bpf { step: "creating the ring buffer reader".into(), source: e })?;
-        Ok(BcastFanout { skel, link: None, ifindex, ring, misses })
+        let misses = MissReader::new(&skel.maps.miss_events, "miss_events")?;
+        Ok(BcastFanout { skel, link: None, ifindex, misses })
     }
 
     /// Attaches at TCX egress of the interface (a link: gone when we exit).
@@ -96,23 +81,7 @@ impl BcastFanout {
             flags: libbpf_rs::libbpf_sys::BPF_F_BEFORE,
             ..Default::default()
         };
-        // SAFETY: a loaded program and a valid, sized opts struct.
-        let ptr = unsafe {
-            libbpf_rs::libbpf_sys::bpf_program__attach_tcx(
-                libbpf_rs::AsRawLibbpf::as_libbpf_object(prog).as_ptr(),
-                self.ifindex as i32,
-                &opts,
-            )
-        };
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::KernelPathUnavailable {
-            reason: format!(
-                "attaching tc_bcast at TCX egress of ifindex {} failed: {} (kernel >= 6.6 needed for TCX)",
-                self.ifindex,
-                std::io::Error::last_os_error()
-            ),
-        })?;
-        // SAFETY: ptr is a live bpf_link returned by libbpf; Link owns it now.
-        self.link = Some(unsafe { Link::from_ptr(ptr) });
+        self.link = Some(attach_tcx(prog, self.ifindex, Some(&opts), "tc_bcast at TCX egress")?);
         Ok(())
     }
 
@@ -136,21 +105,7 @@ impl BcastFanout {
     }
 
     pub fn stats(&self) -> Result<BcastStats> {
-        let mut sum = [0u64; 6];
-        for (i, slot) in sum.iter_mut().enumerate() {
-            let per_cpu = self
-                .skel
-                .maps
-                .bcast_stats
-                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
-                .map_err(|e| Error::Bpf { step: "reading bcast_stats".into(), source: e })?
-                .unwrap_or_default();
-            *slot = per_cpu
-                .iter()
-                .filter_map(|b| b.get(..8))
-                .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
-                .sum();
-        }
+        let sum: [u64; 6] = sum_percpu(&self.skel.maps.bcast_stats, "bcast_stats")?;
         Ok(BcastStats {
             fanout_pkts: sum[0],
             copies: sum[1],
@@ -163,8 +118,7 @@ impl BcastFanout {
 
     /// Destinations the program left to user space since the last call.
     pub fn drain_misses(&self) -> Vec<MissEvent> {
-        let _ = self.ring.consume();
-        self.misses.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
+        self.misses.drain()
     }
 
     /// The loaded skeleton (BPF_PROG_TEST_RUN fixtures use its program).

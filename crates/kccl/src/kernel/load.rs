@@ -2,6 +2,10 @@
 //! skeleton storage, the errors that say the kernel path is unavailable,
 //! and what the verifier reports.
 
+use std::ptr::NonNull;
+
+use libbpf_rs::{Link, MapCore, MapFlags};
+
 use crate::error::{is_root, Error, Result};
 use std::mem::size_of;
 use std::mem::MaybeUninit;
@@ -32,4 +36,47 @@ pub(crate) fn skeleton_storage(what: &str) -> Result<&'static mut MaybeUninit<li
         });
     }
     Ok(Box::leak(Box::new(MaybeUninit::uninit())))
+}
+
+/// Attaches `prog` at its TCX hook of `ifindex` (ingress or egress, as the
+/// program's section says) as a link: detached when the Link is dropped or
+/// the process dies.  `opts` None appends at the end of the hook's chain.
+/// `what` names program and hook in the error ("tc_bcast at TCX egress").
+pub(crate) fn attach_tcx<P>(
+    prog: &P,
+    ifindex: u32,
+    opts: Option<&libbpf_rs::libbpf_sys::bpf_tcx_opts>,
+    what: &str,
+) -> Result<Link>
+where
+    P: libbpf_rs::AsRawLibbpf<LibbpfType = libbpf_rs::libbpf_sys::bpf_program>,
+{
+    let opts = opts.map_or(std::ptr::null(), |o| o as *const _);
+    // SAFETY: a loaded program, and NULL or a valid, sized opts struct.
+    let ptr = unsafe {
+        libbpf_rs::libbpf_sys::bpf_program__attach_tcx(prog.as_libbpf_object().as_ptr(), ifindex as i32, opts)
+    };
+    let ptr = NonNull::new(ptr).ok_or_else(|| Error::KernelPathUnavailable {
+        reason: format!(
+            "attaching {what} of ifindex {ifindex} failed: {} (kernel >= 6.6 needed for TCX)",
+            std::io::Error::last_os_error()
+        ),
+    })?;
+    // SAFETY: ptr is a live bpf_link returned by libbpf; Link owns it now.
+    Ok(unsafe { Link::from_ptr(ptr) })
+}
+
+/// Counters 0..N of a PERCPU_ARRAY of u64 (`name` in errors), each summed
+/// over the CPUs.
+pub(crate) fn sum_percpu<const N: usize>(map: &dyn MapCore, name: &str) -> Result<[u64; N]> {
+    let mut sum = [0u64; N];
+    for (i, slot) in sum.iter_mut().enumerate() {
+        let per_cpu = map
+            .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| Error::Bpf { step: format!("reading {name}"), source: e })?
+            .unwrap_or_default();
+        *slot =
+            per_cpu.iter().filter_map(|b| b.get(..8)).map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8]))).sum();
+    }
+    Ok(sum)
 }

@@ -2,6 +2,11 @@
 //! the miss ring buffers of tc_bcast and tc_agg_result), for user space to
 //! send itself.
 
+use std::sync::{Arc, Mutex};
+
+use libbpf_rs::{MapCore, RingBuffer, RingBufferBuilder};
+
+use crate::error::{Error, Result};
 use crate::skel::types;
 
 /// enum kccl_miss_reason
@@ -50,4 +55,37 @@ pub(crate) fn parse_miss_event(raw: &[u8]) -> Option<MissEvent> {
         rank: ev.rank,
         reason: ev.reason.into(),
     })
+}
+
+/// The reader of one program's miss ring buffer: the ring's callback (which
+/// must be 'static) collects the events until [`MissReader::drain`].
+pub(crate) struct MissReader {
+    ring: RingBuffer<'static>,
+    events: Arc<Mutex<Vec<MissEvent>>>,
+}
+
+impl MissReader {
+    /// Reads `map`, a ring buffer of struct kccl_miss_event named `name`.
+    pub(crate) fn new(map: &dyn MapCore, name: &str) -> Result<MissReader> {
+        let events: Arc<Mutex<Vec<MissEvent>>> = Arc::default();
+        let sink = Arc::clone(&events);
+        let mut rb = RingBufferBuilder::new();
+        rb.add(map, move |raw: &[u8]| {
+            if let Some(ev) = parse_miss_event(raw) {
+                if let Ok(mut v) = sink.lock() {
+                    v.push(ev);
+                }
+            }
+            0
+        })
+        .map_err(|e| Error::Bpf { step: format!("adding the {name} ring buffer"), source: e })?;
+        let ring = rb.build().map_err(|e| Error::Bpf { step: format!("creating the {name} reader"), source: e })?;
+        Ok(MissReader { ring, events })
+    }
+
+    /// The events written since the last call.
+    pub(crate) fn drain(&self) -> Vec<MissEvent> {
+        let _ = self.ring.consume();
+        self.events.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
+    }
 }

@@ -14,8 +14,8 @@ mod members;
 mod misses;
 
 pub use bcast::{BcastFanout, BcastStats, CLONE_MARK};
-pub(crate) use load::{skeleton_storage, unavailable, verified_insns};
+pub(crate) use load::{attach_tcx, skeleton_storage, sum_percpu, unavailable, verified_insns};
 pub(crate) use members::{ifname, member_entry, write_member_entry};
 pub use members::{neighbours, parse_mac};
-pub(crate) use misses::parse_miss_event;
+pub(crate) use misses::MissReader;
 pub use misses::{MissEvent, MissReason};

@@ -16,7 +16,7 @@ mod record;
 mod slots;
 mod stats;
 
-use record::{parse_record_header, parse_values, u64_at, RecordQueue};
+use record::{parse_record_header, parse_values, RecordQueue};
 
 pub use config::{
     AggEngineConfig, XdpMode, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN,
@@ -28,18 +28,17 @@ pub use stats::AggStats;
 use std::mem::size_of;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, RingBuffer, RingBufferBuilder};
+use libbpf_rs::{Link, RingBuffer, RingBufferBuilder};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::kernel::{
-    ifname, member_entry, neighbours, skeleton_storage, unavailable, verified_insns, write_member_entry, MissEvent,
-    CLONE_MARK,
+    attach_tcx, ifname, member_entry, neighbours, skeleton_storage, sum_percpu, unavailable, verified_insns,
+    write_member_entry, MissEvent, MissReader, CLONE_MARK,
 };
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
 use crate::skel_agg_result::{TcAggResultSkel, TcAggResultSkelBuilder};
@@ -57,8 +56,7 @@ pub struct AggEngine {
     ring: RingBuffer<'static>,
     records: Arc<Mutex<RecordQueue>>,
     scratch: Vec<i64>,
-    miss_ring: RingBuffer<'static>,
-    misses: Arc<Mutex<Vec<MissEvent>>>,
+    misses: MissReader,
     xdp: XdpAggSkel<'static>,
     result: TcAggResultSkel<'static>,
 }
@@ -122,20 +120,7 @@ impl AggEngine {
         .map_err(|e| Error::Bpf { step: "adding the agg_records ring buffer".into(), source: e })?;
         let ring = rb.build().map_err(|e| Error::Bpf { step: "creating the record reader".into(), source: e })?;
 
-        let misses: Arc<Mutex<Vec<MissEvent>>> = Arc::default();
-        let msink = Arc::clone(&misses);
-        let mut rb = RingBufferBuilder::new();
-        rb.add(&result.maps.agg_miss_events, move |raw: &[u8]| {
-            if let Some(ev) = crate::kernel::parse_miss_event(raw) {
-                if let Ok(mut v) = msink.lock() {
-                    v.push(ev);
-                }
-            }
-            0
-        })
-        .map_err(|e| Error::Bpf { step: "adding the agg_miss_events ring buffer".into(), source: e })?;
-        let miss_ring =
-            rb.build().map_err(|e| Error::Bpf { step: "creating the miss event reader".into(), source: e })?;
+        let misses = MissReader::new(&result.maps.agg_miss_events, "agg_miss_events")?;
 
         Ok(AggEngine {
             xdp_link: None,
@@ -148,7 +133,6 @@ impl AggEngine {
             ring,
             records,
             scratch: Vec::with_capacity(MAX_ELEMS),
-            miss_ring,
             misses,
             xdp,
             result,
@@ -204,22 +188,7 @@ impl AggEngine {
             },
         };
         let prog = &self.result.progs.kccl_tc_agg_result;
-        // SAFETY: a loaded program and a NULL opts pointer are valid arguments.
-        let ptr = unsafe {
-            libbpf_rs::libbpf_sys::bpf_program__attach_tcx(
-                libbpf_rs::AsRawLibbpf::as_libbpf_object(prog).as_ptr(),
-                ifindex as i32,
-                std::ptr::null(),
-            )
-        };
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::KernelPathUnavailable {
-            reason: format!(
-                "attaching tc_agg_result at TCX ingress of ifindex {ifindex} failed: {} (kernel >= 6.6 needed for TCX)",
-                std::io::Error::last_os_error()
-            ),
-        })?;
-        // SAFETY: ptr is a live bpf_link returned by libbpf; Link owns it now.
-        self.tcx_link = Some(unsafe { Link::from_ptr(ptr) });
+        self.tcx_link = Some(attach_tcx(prog, ifindex, None, "tc_agg_result at TCX ingress")?);
         self.xdp_link = Some(link);
         self.xdp_mode = Some(mode);
         self.ifindex = ifindex;
@@ -286,18 +255,7 @@ impl AggEngine {
     }
 
     pub fn stats(&self) -> Result<AggStats> {
-        let mut sum = [0u64; AggStats::N];
-        for (i, slot) in sum.iter_mut().enumerate() {
-            let per_cpu = self
-                .xdp
-                .maps
-                .agg_stats
-                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
-                .map_err(|e| Error::Bpf { step: "reading agg_stats".into(), source: e })?
-                .unwrap_or_default();
-            *slot = per_cpu.iter().filter(|b| b.len() >= 8).map(|b| u64_at(b, 0)).sum();
-        }
-        Ok(AggStats::from_array(sum))
+        Ok(AggStats::from_array(sum_percpu(&self.xdp.maps.agg_stats, "agg_stats")?))
     }
 
     /// Calls `f` for every reduce record on the ring buffer: those already
@@ -379,8 +337,7 @@ impl AggEngine {
 
     /// Destinations tc_agg_result could not serve since the last call.
     pub fn drain_misses(&self) -> Vec<MissEvent> {
-        let _ = self.miss_ring.consume();
-        self.misses.lock().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default()
+        self.misses.drain()
     }
 
     /// Runs kccl_agg_sweep once (BPF_PROG_TEST_RUN): frees every ACTIVE slot
