@@ -16,11 +16,10 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
 use crate::error::{Error, Result};
-use crate::kernel::skeleton_storage;
+use crate::kernel::{load_skeleton, no_rodata, open_skeleton};
 use crate::netns;
 use crate::skel_fault::{types, TcFaultSkel, TcFaultSkelBuilder};
 
@@ -199,19 +198,11 @@ impl FaultInjector {
     /// Loads tc_fault with all probabilities 0 (everything passes).
     pub fn load() -> Result<FaultInjector> {
         const WHAT: &str = "the fault injector (tc_fault)";
-        let mut open = TcFaultSkelBuilder::default().open(skeleton_storage(WHAT)?).map_err(|e| {
-            Error::KernelPathUnavailable { reason: format!("opening {WHAT} failed (kernel without BPF/BTF?): {e}") }
-        })?;
-        let ro = open
-            .maps
-            .rodata_data
-            .as_deref_mut()
-            .ok_or_else(|| Error::Usage("tc_fault has no .rodata section (build problem)".into()))?;
+        let mut open = open_skeleton::<TcFaultSkelBuilder>(WHAT)?;
+        let ro = open.maps.rodata_data.as_deref_mut().ok_or_else(|| no_rodata("tc_fault"))?;
         ro.cfg_pass_mark = PASS_MARK;
         ro.cfg_release_mark = RELEASE_MARK;
-        let skel = open
-            .load()
-            .map_err(|e| Error::KernelPathUnavailable { reason: format!("the kernel refused to load {WHAT}: {e}") })?;
+        let skel = load_skeleton(open, WHAT)?;
         Ok(FaultInjector { skel, link: None })
     }
 

@@ -2,13 +2,15 @@
 //! interface): loading with its read-only configuration, attaching, the
 //! members it copies to, its counters and miss events.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::Member;
 use crate::skel::{types, TcBcastSkel, TcBcastSkelBuilder};
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::Link;
 
-use super::{attach_tcx, member_entry, skeleton_storage, sum_percpu, write_member_entry, MissEvent, MissReader};
+use super::{
+    attach_tcx, load_skeleton, member_entry, no_rodata, open_skeleton, sum_percpu, write_member_entry, MissEvent,
+    MissReader,
+};
 
 /// skb->mark of the copies tc_bcast makes ("kccl"); see the program header.
 pub const CLONE_MARK: u32 = 0x6b63_636c;
@@ -50,19 +52,11 @@ impl BcastFanout {
     /// calling thread's namespace.  Not attached yet.
     pub fn load(job_id: u32, ifindex: u32) -> Result<BcastFanout> {
         const WHAT: &str = "the broadcast program (tc_bcast)";
-        let mut open = TcBcastSkelBuilder::default().open(skeleton_storage(WHAT)?).map_err(|e| {
-            Error::KernelPathUnavailable { reason: format!("opening {WHAT} failed (kernel without BPF/BTF?): {e}") }
-        })?;
-        let ro = open
-            .maps
-            .rodata_data
-            .as_deref_mut()
-            .ok_or_else(|| Error::Usage("tc_bcast has no .rodata section (build problem)".into()))?;
+        let mut open = open_skeleton::<TcBcastSkelBuilder>(WHAT)?;
+        let ro = open.maps.rodata_data.as_deref_mut().ok_or_else(|| no_rodata("tc_bcast"))?;
         ro.cfg_job_id = job_id;
         ro.cfg_clone_mark = CLONE_MARK;
-        let skel = open
-            .load()
-            .map_err(|e| Error::KernelPathUnavailable { reason: format!("the kernel refused to load {WHAT}: {e}") })?;
+        let skel = load_skeleton(open, WHAT)?;
         let misses = MissReader::new(&skel.maps.miss_events, "miss_events")?;
         Ok(BcastFanout { skel, link: None, ifindex, misses })
     }

@@ -4,6 +4,7 @@
 
 use std::ptr::NonNull;
 
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags};
 
 use crate::error::{is_root, Error, Result};
@@ -79,4 +80,27 @@ pub(crate) fn sum_percpu<const N: usize>(map: &dyn MapCore, name: &str) -> Resul
             per_cpu.iter().filter_map(|b| b.get(..8)).map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8]))).sum();
     }
     Ok(sum)
+}
+
+/// Opens the skeleton of builder `B` (`what` names the program in errors):
+/// the root check, its storage, and an error saying the kernel path is
+/// unavailable when libbpf cannot open it.
+pub(crate) fn open_skeleton<B>(what: &str) -> Result<B::Output>
+where
+    B: SkelBuilder<'static> + Default,
+{
+    B::default()
+        .open(skeleton_storage(what)?)
+        .map_err(|e| unavailable(&format!("opening {what} failed (kernel without BPF/BTF?)"), e))
+}
+
+/// Loads an opened skeleton once its read-only globals and map sizes are set.
+pub(crate) fn load_skeleton<O: OpenSkel<'static>>(open: O, what: &str) -> Result<O::Output> {
+    open.load().map_err(|e| unavailable(&format!("the kernel refused to load {what}"), e))
+}
+
+/// The error when object `obj` came out of the build without its .rodata
+/// (the read-only globals every kccl program is configured through).
+pub(crate) fn no_rodata(obj: &str) -> Error {
+    Error::Usage(format!("{obj} has no .rodata section (build problem)"))
 }

@@ -31,13 +31,12 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, RingBuffer, RingBufferBuilder};
 
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::kernel::{
-    attach_tcx, ifname, member_entry, neighbours, skeleton_storage, sum_percpu, unavailable, verified_insns,
+    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, sum_percpu, verified_insns,
     write_member_entry, MissEvent, MissReader, CLONE_MARK,
 };
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
@@ -67,14 +66,8 @@ impl AggEngine {
     pub fn open(cfg: &AggEngineConfig) -> Result<AggEngine> {
         cfg.validate()?;
         const WHAT: &str = "the aggregation engine (xdp_agg)";
-        let mut open = XdpAggSkelBuilder::default()
-            .open(skeleton_storage(WHAT)?)
-            .map_err(|e| unavailable(&format!("opening {WHAT} failed (kernel without BPF/BTF?)"), e))?;
-        let ro = open
-            .maps
-            .rodata_data
-            .as_deref_mut()
-            .ok_or_else(|| Error::Usage("xdp_agg has no .rodata section (build problem)".into()))?;
+        let mut open = open_skeleton::<XdpAggSkelBuilder>(WHAT)?;
+        let ro = open.maps.rodata_data.as_deref_mut().ok_or_else(|| no_rodata("xdp_agg"))?;
         ro.cfg_job_id = cfg.job_id;
         ro.cfg_port = cfg.port;
         ro.cfg_my_rank = cfg.my_rank;
@@ -86,17 +79,11 @@ impl AggEngine {
         let sizing = |e| Error::Bpf { step: "sizing the aggregation maps".into(), source: e };
         open.maps.agg_slots.set_max_entries(cfg.nslots).map_err(sizing)?;
         open.maps.agg_records.set_max_entries(cfg.ring_bytes).map_err(sizing)?;
-        let xdp = open.load().map_err(|e| unavailable(&format!("the kernel refused to load {WHAT}"), e))?;
+        let xdp = load_skeleton(open, WHAT)?;
 
         const WHAT_R: &str = "the aggregation fan-out (tc_agg_result)";
-        let mut open = TcAggResultSkelBuilder::default()
-            .open(skeleton_storage(WHAT_R)?)
-            .map_err(|e| unavailable(&format!("opening {WHAT_R} failed"), e))?;
-        let ro = open
-            .maps
-            .rodata_data
-            .as_deref_mut()
-            .ok_or_else(|| Error::Usage("tc_agg_result has no .rodata section (build problem)".into()))?;
+        let mut open = open_skeleton::<TcAggResultSkelBuilder>(WHAT_R)?;
+        let ro = open.maps.rodata_data.as_deref_mut().ok_or_else(|| no_rodata("tc_agg_result"))?;
         ro.cfg_job_id = cfg.job_id;
         ro.cfg_port = cfg.port;
         ro.cfg_my_rank = cfg.my_rank;
@@ -104,7 +91,7 @@ impl AggEngine {
         let share = |e| Error::Bpf { step: "sharing members/agg_stats with tc_agg_result".into(), source: e };
         open.maps.members.reuse_fd(xdp.maps.members.as_fd()).map_err(share)?;
         open.maps.agg_stats.reuse_fd(xdp.maps.agg_stats.as_fd()).map_err(share)?;
-        let result = open.load().map_err(|e| unavailable(&format!("the kernel refused to load {WHAT_R}"), e))?;
+        let result = load_skeleton(open, WHAT_R)?;
 
         let records: Arc<Mutex<RecordQueue>> = Arc::default();
         let sink = Arc::clone(&records);
