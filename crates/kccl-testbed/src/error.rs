@@ -14,7 +14,7 @@ pub enum Error {
 
     /// A peer (Gloo, Open MPI) failed, or is not installed.
     #[error(transparent)]
-    Peer(#[from] crate::peers::PeerError),
+    Peer(#[from] crate::peers::kinds::PeerError),
 
     #[error("cluster '{name}': {msg}")]
     Cluster { name: String, msg: String },

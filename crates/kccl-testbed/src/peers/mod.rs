@@ -25,10 +25,13 @@
 //! (all their threads); mpirun and orted idle during the collectives and are
 //! not counted.
 
-use std::fmt;
+pub(crate) mod kinds;
+
+use kinds::io_err;
+pub use kinds::{DType, Peer, PeerError, PeerOp, PYTHON};
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -36,146 +39,15 @@ use std::time::{Duration, Instant};
 use crate::bench::percentile;
 use crate::cluster::Cluster;
 
-/// Interpreter of the peers: Debian's python3-torch and python3-mpi4py are
-/// installed for it (pyenv's python3 on PATH does not see them).
-pub const PYTHON: &str = "/usr/bin/python3";
-
 /// Where the per-run directories (scripts, hostfile, agent, rank outputs) go.
 pub const WORK_ROOT: &str = "/run/kccl/peers";
 
-const COMMON_PY: &str = include_str!("../py/peers/peer_common.py");
-const GLOO_PY: &str = include_str!("../py/peers/gloo_peer.py");
-const MPI_PY: &str = include_str!("../py/peers/mpi_peer.py");
+const COMMON_PY: &str = include_str!("../../py/peers/peer_common.py");
+const GLOO_PY: &str = include_str!("../../py/peers/gloo_peer.py");
+const MPI_PY: &str = include_str!("../../py/peers/mpi_peer.py");
 
 /// Exit code of a rank script whose result check failed.
 const EXIT_MISMATCH: i32 = 3;
-
-/// Which peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Peer {
-    Gloo,
-    Mpi,
-}
-
-/// Which collective. The root of broadcast and reduce is rank 0.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PeerOp {
-    Broadcast,
-    Reduce,
-    Allreduce,
-}
-
-/// Element type (both 4 bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    Int32,
-    Float32,
-}
-
-impl fmt::Display for Peer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Peer::Gloo => "gloo",
-            Peer::Mpi => "mpi",
-        })
-    }
-}
-
-impl fmt::Display for PeerOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PeerOp::Broadcast => "broadcast",
-            PeerOp::Reduce => "reduce",
-            PeerOp::Allreduce => "allreduce",
-        })
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::Int32 => "int32",
-            DType::Float32 => "float32",
-        })
-    }
-}
-
-impl FromStr for Peer {
-    type Err = PeerError;
-    fn from_str(s: &str) -> Result<Self, PeerError> {
-        match s {
-            "gloo" => Ok(Peer::Gloo),
-            "mpi" | "openmpi" => Ok(Peer::Mpi),
-            _ => Err(PeerError::Usage(format!("unknown peer '{s}': use gloo or mpi"))),
-        }
-    }
-}
-
-impl FromStr for PeerOp {
-    type Err = PeerError;
-    fn from_str(s: &str) -> Result<Self, PeerError> {
-        match s {
-            "broadcast" => Ok(PeerOp::Broadcast),
-            "reduce" => Ok(PeerOp::Reduce),
-            "allreduce" => Ok(PeerOp::Allreduce),
-            _ => Err(PeerError::Usage(format!("unknown op '{s}': use broadcast, reduce or allreduce"))),
-        }
-    }
-}
-
-impl FromStr for DType {
-    type Err = PeerError;
-    fn from_str(s: &str) -> Result<Self, PeerError> {
-        match s {
-            "int32" => Ok(DType::Int32),
-            "float32" => Ok(DType::Float32),
-            _ => Err(PeerError::Usage(format!("unknown element type '{s}': use int32 or float32"))),
-        }
-    }
-}
-
-/// Errors of the peer runner; each says what to do.
-#[derive(Debug, thiserror::Error)]
-pub enum PeerError {
-    #[error(
-        "the {peer} peer is not installed ({detail}): run `make setup-peers` \
-         (installs python3-torch, python3-mpi4py and openmpi-bin for {PYTHON})"
-    )]
-    Missing { peer: Peer, detail: String },
-
-    #[error("{peer} {op}: result check failed, no timing kept: {detail}")]
-    Mismatch { peer: Peer, op: PeerOp, detail: String },
-
-    #[error("{peer} {op}: {what} exited with {status}; its stderr ends with: {stderr}")]
-    Failed { peer: Peer, op: PeerOp, what: String, status: String, stderr: String },
-
-    #[error("{peer} {op}: timed out after {secs} s ({pending}); raise the timeout or lower the size/iterations")]
-    Timeout { peer: Peer, op: PeerOp, secs: u64, pending: String },
-
-    #[error("{peer} {op}: rank output {path}: {msg}")]
-    Output { peer: Peer, op: PeerOp, path: PathBuf, msg: String },
-
-    #[error("{0}")]
-    Usage(String),
-
-    #[error("{step}: {source}")]
-    Io {
-        step: String,
-        #[source]
-        source: std::io::Error,
-    },
-
-    #[error(transparent)]
-    Kccl(#[from] kccl::Error),
-}
-
-fn io_err(step: impl Into<String>) -> impl FnOnce(std::io::Error) -> PeerError {
-    let step = step.into();
-    move |source| PeerError::Io { step, source }
-}
 
 /// One run: `ranks` ranks (hosts 0..ranks of the cluster) doing `op` on
 /// `count` elements each.
