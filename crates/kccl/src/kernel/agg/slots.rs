@@ -110,16 +110,7 @@ impl AggEngine {
         if index >= self.cfg.nslots {
             return Err(Error::Usage(format!("slot {index} is beyond the {} slots", self.cfg.nslots)));
         }
-        let v = self
-            .xdp
-            .maps
-            .agg_slots
-            .lookup(&index.to_ne_bytes(), MapFlags::ANY)
-            .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
-            .ok_or_else(|| Error::Usage(format!("agg_slots[{index}] missing")))?;
-        if v.len() < size_of::<S>() {
-            return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
-        }
+        let v = self.slot_bytes(index)?;
         let rec = &v[offset_of!(S, rec)..];
         let h = parse_record_header(rec);
         let mut acc = Vec::new();
@@ -165,16 +156,7 @@ impl AggEngine {
         use crate::skel_agg::types::kccl_agg_slot as S;
         let mut sum = SlotSummary::default();
         for index in 0..self.cfg.nslots {
-            let v = self
-                .xdp
-                .maps
-                .agg_slots
-                .lookup(&index.to_ne_bytes(), MapFlags::ANY)
-                .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
-                .unwrap_or_default();
-            if v.len() < size_of::<S>() {
-                return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
-            }
+            let v = self.slot_bytes(index)?;
             match SlotState::from(u32_at(&v, offset_of!(S, state))) {
                 SlotState::Free => sum.free += 1,
                 SlotState::Active => sum.active += 1,
@@ -185,5 +167,22 @@ impl AggEngine {
             }
         }
         Ok(sum)
+    }
+
+    /// The raw bytes of agg_slots[index] (struct kccl_agg_slot), at least as
+    /// long as the struct.
+    fn slot_bytes(&self, index: u32) -> Result<Vec<u8>> {
+        use crate::skel_agg::types::kccl_agg_slot as S;
+        let v = self
+            .xdp
+            .maps
+            .agg_slots
+            .lookup(&index.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| Error::Bpf { step: format!("reading agg_slots[{index}]"), source: e })?
+            .ok_or_else(|| Error::Usage(format!("agg_slots[{index}] missing")))?;
+        if v.len() < size_of::<S>() {
+            return Err(Error::Usage(format!("agg_slots value of {} bytes, {} expected", v.len(), size_of::<S>())));
+        }
+        Ok(v)
     }
 }
