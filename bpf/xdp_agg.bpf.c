@@ -128,6 +128,15 @@ struct {
 	__type(value, struct kccl_agg_slot);
 } agg_slots SEC(".maps");
 
+/* Sub-blocks of the slots: entry n * subs + i is sub-block i of slot n
+ * (subs = ceil(cfg_chunk_bytes / KCCL_AGG_SUB_BYTES)). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);		/* set by the loader (cfg_nslots * subs) */
+	__type(key, __u32);
+	__type(value, struct kccl_agg_sub);
+} agg_acc SEC(".maps");
+
 /* Shared with tc_agg_result (the loader reuses one map for both). */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -213,8 +222,11 @@ struct contrib {
 
 /*
  * Under the slot's lock: the slot state machine (see the header comment).
- * Writes the decision into sc (act, why, mode, write, reclaimed, ovf) and, on
- * a claim, initialises the slot.  No helper calls.
+ * Writes the decision into sc (act, why, mode, write, reclaimed, ovf, gen)
+ * and, on a claim, initialises the slot (a new generation: its sub-blocks
+ * reset themselves on first use).  ACT_ADDED marks the sender busy: its
+ * sub-blocks are added after the unlock (sub_passes), then finish() counts
+ * it.  No helper calls.
  */
 static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *sc,
 				   const struct contrib *c)
@@ -231,6 +243,9 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 			if (s->seen & c->bit) {
 				act = ACT_PENDING;
 				*(volatile __u64 *)&sc->missing = s->expected & ~s->seen;
+			} else if (s->busy & c->bit) {
+				/* A copy of it is being added on another CPU. */
+				why = KCCL_AS_DUP;
 			} else
 				mode = ELEM_COMBINE;
 		} else if (s->state == KCCL_SLOT_DONE) {
@@ -258,7 +273,9 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 		s->state = KCCL_SLOT_ACTIVE;
 		s->expected = c->mask;
 		s->seen = 0;
+		s->busy = 0;
 		s->claimed_ns = c->now;
+		s->gen = c->now > s->gen ? c->now : s->gen + 1;
 		s->rec.job_id = cfg_job_id;
 		s->rec.op_id = c->op_id;
 		s->rec.frag_off = c->frag;
@@ -273,12 +290,12 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 		mode = ELEM_STORE;
 	}
 	if (mode != ELEM_NONE) {
+		/* Added outside this lock, sub-block by sub-block; seen and
+		 * completion afterwards (finish). */
 		act = ACT_ADDED;
-		if ((s->seen | c->bit) == s->expected) {
-			act = c->allreduce ? ACT_DONE_ALL : ACT_DONE_RED;
-			write = c->allreduce;
-		}
+		s->busy |= c->bit;
 	}
+	*(volatile __u64 *)&sc->gen = s->gen;
 	PUT(sc, act, act);
 	PUT(sc, why, why);
 	PUT(sc, mode, mode);
@@ -287,7 +304,146 @@ static __always_inline void decide(struct kccl_agg_slot *s, struct agg_scratch *
 	PUT(sc, ovf, s->rec.overflow);
 }
 
-SEC("xdp")
+/* What one sub-block pass needs (bpf_loop context). */
+struct sub_pass_ctx {
+	struct xdp_md *ctx;
+	struct agg_scratch *sc;
+	__u32 base;		/* agg_acc entry of sub-block 0 */
+	__u32 pay_off;		/* payload offset in the frame */
+	__u32 pay_len;
+	__u32 write;		/* 0: add the payload; 1: write the results into it */
+	__u32 stop;		/* set when a pass found its sub-block taken over */
+};
+
+/*
+ * Sub-block i: add it (load from the frame, then under the sub-block's lock
+ * store if it is the generation's first contribution there, else combine),
+ * or write its results into the frame (under the lock: read only).  A
+ * sub-block of a newer generation means the slot was taken over: stop.
+ */
+static long sub_pass(__u32 i, void *p)
+{
+	struct sub_pass_ctx *k = p;
+	struct agg_scratch *sc = k->sc;
+	struct kccl_agg_sub *u;
+	__u32 idx = k->base + i, off, stale = 0, write = k->write;
+	__u64 len, gen;
+
+	if (i >= KCCL_AGG_MAX_SUBS)
+		return 1;
+	off = i * KCCL_AGG_SUB_BYTES;
+	if (off >= k->pay_len)
+		return 1;
+	len = k->pay_len - off;
+	if (len > KCCL_AGG_SUB_BYTES)
+		len = KCCL_AGG_SUB_BYTES;
+	OPAQUE(len);
+	if (len == 0 || len > KCCL_AGG_SUB_BYTES)
+		goto stop;
+	u = bpf_map_lookup_elem(&agg_acc, &idx);
+	if (!u)
+		goto stop;
+	if (!write) {
+		if (bpf_xdp_load_bytes(k->ctx, k->pay_off + off, sc->buf, len))
+			goto stop;
+		/* Zeros from the sub-block's end to its last block's (BLK_BYTES). */
+		*(__u64 *)(sc->buf + len) = 0;
+		*(__u64 *)(sc->buf + len + 8) = 0;
+		*(__u64 *)(sc->buf + len + 16) = 0;
+	}
+	PUT(sc, nblk, (len + BLK_BYTES - 1) / BLK_BYTES);
+	PUT(sc, write, write);
+	gen = *(volatile __u64 *)&sc->gen;
+
+	bpf_spin_lock(&u->lock);
+	if (u->gen != gen) {
+		if (u->gen > gen || write) {
+			stale = 1;
+		} else {
+			u->gen = gen;
+			u->count = 0;
+		}
+	}
+	if (!stale) {
+		PUT(sc, mode, write ? ELEM_NONE : u->count ? ELEM_COMBINE : ELEM_STORE);
+		if (!write)
+			u->count++;
+		elems(u, sc);
+	}
+	bpf_spin_unlock(&u->lock);
+
+	if (stale)
+		goto stop;
+	if (write && bpf_xdp_store_bytes(k->ctx, k->pay_off + off, sc->buf, len))
+		goto stop;
+	return 0;
+stop:
+	k->stop = 1;
+	return 1;
+}
+
+/*
+ * Every sub-block of the payload through sub_pass (write: 0 add, 1 write the
+ * results).  A global function: the verifier checks it (and the loops in it)
+ * once, not once per call site.  Returns nonzero if a pass stopped.
+ */
+__noinline int sub_passes(struct xdp_md *ctx, __u32 base, __u32 pay_off, __u32 pay_len, __u32 write)
+{
+	__u32 zero = 0;
+	struct sub_pass_ctx k = {
+		.ctx = ctx, .base = base, .pay_off = pay_off, .pay_len = pay_len, .write = write,
+	};
+
+	k.sc = bpf_map_lookup_elem(&agg_scratch, &zero);
+	if (!k.sc || pay_len == 0 || pay_len > KCCL_AGG_MAX_PAYLOAD)
+		return 1;
+	bpf_loop((pay_len + KCCL_AGG_SUB_BYTES - 1) / KCCL_AGG_SUB_BYTES, sub_pass, &k, 0);
+	return k.stop;
+}
+
+/*
+ * Under the slot's lock, after the sub-block passes of an ACT_ADDED
+ * contribution: it counts (seen) if the slot still holds the generation it
+ * was added to; the chunk completes when every contributor is seen.
+ * Writes act (ACT_ADDED, ACT_DONE_RED, ACT_DONE_ALL or ACT_DROP with why),
+ * write and ovf into sc.
+ */
+static __always_inline void finish(struct kccl_agg_slot *s, struct agg_scratch *sc,
+				   const struct contrib *c, long stopped)
+{
+	__u32 act = ACT_ADDED;
+
+	if (s->gen != *(volatile __u64 *)&sc->gen || s->state != KCCL_SLOT_ACTIVE) {
+		/* Taken over while it was being added: the sender resends. */
+		PUT(sc, why, KCCL_AS_BUSY);
+		act = ACT_DROP;
+	} else {
+		s->busy &= ~c->bit;
+		if (stopped) {
+			/* Part of it was added (cannot happen once the frame
+			 * passed the length checks): the sums are unusable, the
+			 * chunk starts over from its senders' retransmissions. */
+			s->state = KCCL_SLOT_FREE;
+			PUT(sc, why, KCCL_AS_BUSY);
+			act = ACT_DROP;
+		} else {
+			s->seen |= c->bit;
+			if (GET(sc, res) & ELEM_OVF)
+				s->rec.overflow = 1;
+			if (s->seen == s->expected) {
+				act = c->allreduce ? ACT_DONE_ALL : ACT_DONE_RED;
+				s->rec.contributors = s->seen;
+				s->state = c->allreduce ? KCCL_SLOT_DONE : KCCL_SLOT_DELIVERING;
+				s->claimed_ns = c->now;	/* DONE: kept from now on */
+			}
+		}
+	}
+	PUT(sc, act, act);
+	PUT(sc, write, act == ACT_DONE_ALL);
+	PUT(sc, ovf, s->rec.overflow);
+}
+
+SEC("xdp.frags")
 int kccl_xdp_agg(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
@@ -300,9 +456,9 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	struct kccl_agg_slot *s;
 	struct agg_scratch *sc;
 	struct contrib c;
-	__u32 ihl_len, udp_len, tot_len, esize, nelem, chunk, idx, src, act, r, zero = 0, pay_off;
+	__u32 ihl_len, udp_len, tot_len, esize, chunk, idx, base, src, act, r, zero = 0, pay_off;
+	long stopped;
 	__u16 flags;
-	__u64 len;
 	bool ovf;
 
 	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
@@ -325,7 +481,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	udp_len = bpf_ntohs(udp->len);
 	tot_len = bpf_ntohs(ip->tot_len);
 	if (udp_len < KCCL_ANSWER_FIXED_LEN || tot_len < ihl_len + udp_len ||
-	    sizeof(*eth) + tot_len > (__u64)(end - data) || h->version != KCCL_VERSION)
+	    sizeof(*eth) + tot_len > (__u64)bpf_xdp_get_buff_len(ctx) || h->version != KCCL_VERSION)
 		goto malformed;
 	if (bpf_ntohl(h->job_id) != cfg_job_id) {
 		stat_add(KCCL_AS_OTHER_JOB, 1);
@@ -392,7 +548,6 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		return XDP_DROP;
 	}
 
-	nelem = c.pay_len / esize;
 	c.op_id = bpf_ntohl(h->msg_seq);
 	c.allreduce = flags & KCCL_F_ALLREDUCE;
 	chunk = c.frag / cfg_chunk_bytes;
@@ -402,59 +557,26 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	}
 	ack_raise(src, c.op_id, chunk + 1 > cfg_window ? chunk + 1 - cfg_window : 0);
 	idx = (c.op_id * 0x9E3779B1U + chunk) & (cfg_nslots - 1);
+	base = idx * ((cfg_chunk_bytes + KCCL_AGG_SUB_BYTES - 1) / KCCL_AGG_SUB_BYTES);
 	s = bpf_map_lookup_elem(&agg_slots, &idx);
 	if (!s) {
 		/* Only if the loader set max_entries below cfg_nslots. */
 		stat_add(KCCL_AS_BUSY, 1);
 		return XDP_DROP;
 	}
-	/* The loops work on a copy of the payload in per-CPU scratch memory:
-	 * packet accesses would need a bounds check per element, and each one
-	 * widens the packet range the verifier tracks, so the loop exits of
-	 * different iterations would never be equivalent states. */
 	sc = bpf_map_lookup_elem(&agg_scratch, &zero);
 	if (!sc)
 		return XDP_DROP;
 	pay_off = (void *)(h + 1) - data;
-	/* Checked above; again on an opaque 64-bit copy, so that the verifier
-	 * sees both bounds on the register passed as the size. */
-	len = c.pay_len;
-	OPAQUE(len);
-	if (len == 0 || len > KCCL_AGG_MAX_PAYLOAD)
-		goto malformed;
-	if (bpf_xdp_load_bytes(ctx, pay_off, sc->buf, len))
-		goto malformed;
-	/* Zeros from the payload's end to its last block's (see BLK_BYTES). */
-	*(__u64 *)(sc->buf + len) = 0;
-	*(__u64 *)(sc->buf + len + 8) = 0;
-	*(__u64 *)(sc->buf + len + 16) = 0;
-	PUT(sc, nblk, (len + BLK_BYTES - 1) / BLK_BYTES);
 	PUT(sc, op, c.op);
 	PUT(sc, esize, esize);
-	PUT(sc, nelem, nelem);
 	/* No helper calls under the lock: read the clock before. */
 	c.now = bpf_ktime_get_ns();
 	check_proven(s, &c);
 
 	bpf_spin_lock(&s->lock);
 	decide(s, sc, &c);
-	PUT(sc, res, 0);
-	if (GET(sc, mode) != ELEM_NONE || GET(sc, write))
-		elems(s, sc);
-	if (GET(sc, mode) != ELEM_NONE) {
-		s->seen |= c.bit;
-		if (GET(sc, res) & ELEM_OVF)
-			s->rec.overflow = 1;
-		act = GET(sc, act);
-		if (act != ACT_ADDED) {
-			s->rec.contributors = s->seen;
-			s->state = act == ACT_DONE_ALL ? KCCL_SLOT_DONE : KCCL_SLOT_DELIVERING;
-			s->claimed_ns = c.now;	/* DONE: kept from now on */
-			PUT(sc, ovf, s->rec.overflow);
-		}
-	}
 	bpf_spin_unlock(&s->lock);
-	ovf = GET(sc, ovf) || (GET(sc, res) & ELEM_SAT);
 	act = GET(sc, act);
 
 	if (act == ACT_DROP) {
@@ -468,29 +590,49 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		stat_add(KCCL_AS_PENDING, 1);
 		return make_answer(ctx, KCCL_T_AGG_PENDING, flags, false, c.bit, sizeof(missing), &missing);
 	}
-	if (act == ACT_ANSWER) {
-		stat_add(KCCL_AS_DUP_DONE, 1);
-		stat_add(c.allreduce ? KCCL_AS_RESULTS : KCCL_AS_ACKS, 1);
-		return make_answer(ctx, c.allreduce ? KCCL_T_AGG_RESULT : KCCL_T_AGG_ACK, flags, ovf,
-				   c.bit, c.allreduce ? c.pay_len : 0, sc->buf);
-	}
-	if (act != ACT_RETRY) {
+	PUT(sc, res, 0);
+	if (act == ACT_ADDED) {
+		stopped = sub_passes(ctx, base, pay_off, c.pay_len, 0);
+		bpf_spin_lock(&s->lock);
+		finish(s, sc, &c, stopped);
+		bpf_spin_unlock(&s->lock);
+		act = GET(sc, act);
+		if (act == ACT_DROP) {
+			stat_add(GET(sc, why), 1);
+			return XDP_DROP;
+		}
 		stat_add(KCCL_AS_PKTS, 1);
 		if (GET(sc, reclaimed))
 			stat_add(KCCL_AS_RECLAIMED, 1);
 		if (act == ACT_ADDED)
 			return XDP_DROP;
 		stat_add(KCCL_AS_CHUNKS_DONE, 1);
+	}
+	/* Allreduce answers carry the values: written into the payload from
+	 * the sub-blocks (DONE: nobody adds to them; a takeover since the
+	 * lock makes the pass stop). */
+	if (GET(sc, write) && sub_passes(ctx, base, pay_off, c.pay_len, 1)) {
+		stat_add(KCCL_AS_BUSY, 1);
+		return XDP_DROP;
+	}
+	ovf = GET(sc, ovf) || (GET(sc, res) & ELEM_SAT);
+	if (act == ACT_ANSWER) {
+		stat_add(KCCL_AS_DUP_DONE, 1);
+		stat_add(c.allreduce ? KCCL_AS_RESULTS : KCCL_AS_ACKS, 1);
+		return make_answer(ctx, c.allreduce ? KCCL_T_AGG_RESULT : KCCL_T_AGG_ACK, flags, ovf,
+				   c.bit, c.allreduce ? c.pay_len : 0, NULL);
+	}
+	if (act == ACT_DONE_ALL) {
 		if (ovf)
 			stat_add(KCCL_AS_OVERFLOW, 1);
-		if (act == ACT_DONE_ALL) {
-			stat_add(KCCL_AS_RESULTS, 1);
-			return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, sc->buf);
-		}
+		stat_add(KCCL_AS_RESULTS, 1);
+		return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, NULL);
 	}
+	if (act == ACT_DONE_RED && ovf)
+		stat_add(KCCL_AS_OVERFLOW, 1);
 
 	/* Reduce completion or retry: record to the ring, then the ACK. */
-	r = deliver(s, c.op_id, c.pay_len, c.msg_len, GET(sc, nelem));
+	r = deliver(s, base, c.op_id, c.pay_len, c.msg_len, esize);
 	bpf_spin_lock(&s->lock);
 	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
 	if (!r)

@@ -7,7 +7,8 @@
  * Model: an operation (job_id, op id = msg_seq) is cut into chunks of the
  * job's chunk size (cfg_chunk_bytes, every contributor uses the same).  Chunk
  * c of an operation lives in slot (hash(op id) + c) & (nslots - 1) while it is
- * being aggregated.  A slot accumulates in 64-bit integers, remembers which
+ * being aggregated.  A slot (with its sub-blocks, struct kccl_agg_sub)
+ * accumulates in 64-bit integers, remembers which
  * contributors it has seen (one bit each, so a retransmission is never counted
  * twice) and completes when seen == expected.  Senders keep at most a window
  * of chunks in flight, smaller than nslots, so two chunks of one operation
@@ -20,11 +21,23 @@
 #include "kccl_wire.h"
 #include "kccl_bcast.h"	/* KCCL_MAX_MEMBERS */
 
-/* Largest chunk payload the kernel aggregates: an MTU of 3500 (a veth XDP
- * frame must fit one page) leaves 3500 - 20 - 8 - 40 bytes; 3432 is a
- * multiple of 8.  A 1500-byte MTU gives 1432-byte chunks. */
-#define KCCL_AGG_MAX_PAYLOAD	3432
+/*
+ * A chunk is combined in sub-blocks of KCCL_AGG_SUB_BYTES: sub-block i of the
+ * chunk in slot n has its own accumulators and lock (struct kccl_agg_sub,
+ * entry n * subs + i of agg_acc, subs = ceil(chunk / KCCL_AGG_SUB_BYTES)), so
+ * a chunk of up to KCCL_AGG_MAX_PAYLOAD bytes (one multi-buffer XDP frame on
+ * a large MTU) is added one sub-block at a time, each under a short lock, and
+ * a job of small chunks (1432 bytes for a 1500-byte MTU) pays for one
+ * sub-block per slot.  3432 is a multiple of 24 (the loops' block) and of 8;
+ * 19 of them (65208 bytes) plus the headers fit one IPv4 datagram.
+ */
+#define KCCL_AGG_SUB_BYTES	3432
+#define KCCL_AGG_SUB_ELEMS	(KCCL_AGG_SUB_BYTES / 4)	/* 858 */
+#define KCCL_AGG_MAX_SUBS	19
+#define KCCL_AGG_MAX_PAYLOAD	(KCCL_AGG_SUB_BYTES * KCCL_AGG_MAX_SUBS)	/* 65208 */
 #define KCCL_AGG_MAX_ELEMS	(KCCL_AGG_MAX_PAYLOAD / 4)
+
+_Static_assert(KCCL_AGG_MAX_PAYLOAD + 20 + 8 + KCCL_HDR_LEN <= 65535, "a chunk fits one IPv4 datagram");
 
 /* kccl_agg_slot.state */
 enum kccl_slot_state {
@@ -36,8 +49,9 @@ enum kccl_slot_state {
 					 * next retransmission of the chunk */
 };
 
-/* Ring buffer record of one completed reduce chunk, also the tail of a slot so
- * that bpf_ringbuf_output() copies header and values in one go. */
+/* Ring buffer record of one completed reduce chunk: this header, then
+ * payload_len / element size int64 values (the chunk's sub-blocks in order).
+ * Also the header part of a slot. */
 struct kccl_agg_record {
 	__u32 job_id;
 	__u32 op_id;
@@ -50,10 +64,10 @@ struct kccl_agg_record {
 	__u8  overflow;		/* an int64 sum overflowed (I64 only) */
 	__u8  pad;
 	__u64 contributors;	/* the seen mask (== expected) */
-	__s64 acc[KCCL_AGG_MAX_ELEMS];	/* payload_len / elem size values used */
 };
 
-#define KCCL_AGG_RECORD_HDR_LEN	32	/* offsetof(struct kccl_agg_record, acc) */
+#define KCCL_AGG_RECORD_HDR_LEN	32	/* sizeof(struct kccl_agg_record) */
+_Static_assert(sizeof(struct kccl_agg_record) == KCCL_AGG_RECORD_HDR_LEN, "record header");
 
 /*
  * What each rank has proven it received (index: rank): 0 = nothing, else
@@ -72,11 +86,30 @@ struct kccl_agg_slot {
 	struct bpf_spin_lock lock;
 	__u32 state;		/* enum kccl_slot_state */
 	__u64 expected;		/* contributor mask of the operation */
-	__u64 seen;		/* contributors already added */
+	__u64 seen;		/* contributors added (every sub-block) */
+	__u64 busy;		/* contributors being added right now (their
+				 * sub-blocks are combined outside this lock) */
 	__u64 claimed_ns;	/* bpf_ktime_get_ns() when the chunk took the slot;
 				 * DONE: when it completed */
+	__u64 gen;		/* claim generation (increases): sub-blocks of an
+				 * older generation are stale */
 	struct kccl_agg_record rec;
 };
+
+_Static_assert(sizeof(struct kccl_agg_slot) == 48 + KCCL_AGG_RECORD_HDR_LEN, "slot layout");
+
+/* One sub-block's accumulators (agg_acc).  `gen` is the slot generation they
+ * belong to: the first contribution of a newer generation resets `count` and
+ * STORES its values (no initialisation pass at the claim); one of an older
+ * generation is stale and adds nothing. */
+struct kccl_agg_sub {
+	struct bpf_spin_lock lock;
+	__u32 count;		/* contributions added in generation gen */
+	__u64 gen;
+	__s64 acc[KCCL_AGG_SUB_ELEMS];	/* sub-block bytes / element size used */
+};
+
+_Static_assert(sizeof(struct kccl_agg_sub) == 16 + KCCL_AGG_SUB_ELEMS * 8, "sub-block layout");
 
 /* Per-CPU counters of the aggregation programs (index into agg_stats). */
 enum kccl_agg_stat {

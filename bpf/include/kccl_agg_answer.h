@@ -6,7 +6,7 @@
  * wake-up policy (deliver).
  *
  * Uses, defined by the including file before the #include: cfg_my_rank,
- * cfg_job_id, cfg_wakeup_bytes, the maps agg_records and agg_op_progress
+ * cfg_job_id, cfg_wakeup_bytes, the maps agg_records, agg_acc and agg_op_progress
  * (struct kccl_agg_op_key), ETH_ALEN and KCCL_ANSWER_FIXED_LEN.
  */
 #ifndef KCCL_AGG_ANSWER_H
@@ -27,12 +27,15 @@ static __always_inline void csum_replace2(__u16 *sum, __u16 old, __u16 new)
 
 /*
  * Turns the contribution in ctx into the answer: ACK (out_len 0: the payload
- * is trimmed) or RESULT (the out_len bytes at values become the payload).
+ * is trimmed), RESULT (out_len bytes, already written into the payload in
+ * place: word NULL) or PENDING (out_len 8: *word becomes the payload).
+ * Works on multi-buffer frames: lengths from bpf_xdp_get_buff_len, the
+ * headers are in the linear part.
  * Addresses and ports swapped, UDP checksum 0, lengths and IP checksum fixed.
  * Returns XDP_PASS, or XDP_DROP if the frame could not be rebuilt.
  */
 static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_flags, bool ovf,
-				       __u64 dst_mask, __u32 out_len, const void *values)
+				       __u64 dst_mask, __u32 out_len, const __u64 *word)
 {
 	void *data = (void *)(long)ctx->data;
 	void *end = (void *)(long)ctx->data_end;
@@ -40,7 +43,7 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 	struct iphdr *ip = (void *)(eth + 1);
 	struct udphdr *udp;
 	struct kccl_hdr *h;
-	__u32 ihl_len, want;
+	__u32 ihl_len, want, have;
 	__u16 flags, new_tot, new_udp;
 	__u8 mac[ETH_ALEN];
 	__be32 addr;
@@ -50,10 +53,11 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 		return XDP_DROP;
 	ihl_len = ip->ihl * 4;
 	want = sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN + out_len;
-	if (want != (__u32)(end - data)) {
+	have = bpf_xdp_get_buff_len(ctx);
+	if (want != have) {
 		/* ACK/PENDING: trim the payload (and any trailer after the
 		 * datagram); a PENDING for a 4-byte chunk grows by 4 bytes. */
-		if (bpf_xdp_adjust_tail(ctx, (int)want - (int)(end - data)))
+		if (bpf_xdp_adjust_tail(ctx, (int)want - (int)have))
 			return XDP_DROP;
 		data = (void *)(long)ctx->data;
 		end = (void *)(long)ctx->data_end;
@@ -65,10 +69,10 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 	}
 	if (ihl_len < sizeof(*ip) || out_len > KCCL_AGG_MAX_PAYLOAD)
 		return XDP_DROP;
-	if (out_len) {
-		/* The values (the payload keeps its length and place). */
-		if (bpf_xdp_store_bytes(ctx, sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN,
-					(void *)values, out_len))
+	if (word) {
+		if (out_len != sizeof(*word) ||
+		    bpf_xdp_store_bytes(ctx, sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN,
+					(void *)word, sizeof(*word)))
 			return XDP_DROP;
 		data = (void *)(long)ctx->data;
 		end = (void *)(long)ctx->data_end;
@@ -113,21 +117,27 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 }
 
 /*
- * Reduce: the slot's record to the ring buffer (the slot is DELIVERING, so
- * nobody else writes it).  Wakes the reader when the ring holds more than
- * cfg_wakeup_bytes or this was the operation's last missing chunk.
+ * Reduce: the slot's record (its header, then the values of sub-blocks 0 ..
+ * nsub-1 of agg_acc from entry `base`) to the ring buffer in one record (the
+ * slot is DELIVERING, so nobody else writes it or its sub-blocks).  Wakes the
+ * reader when the ring holds more than cfg_wakeup_bytes or this was the
+ * operation's last missing chunk.
  */
-static __always_inline int deliver(struct kccl_agg_slot *s, __u32 op_id, __u32 pay_len,
-				   __u32 msg_len, __u32 nelem)
+static __always_inline int deliver(struct kccl_agg_slot *s, __u32 base, __u32 op_id, __u32 pay_len,
+				   __u32 msg_len, __u32 esize)
 {
 	struct kccl_agg_op_key k = { .job_id = cfg_job_id, .op_id = op_id };
-	__u64 zero = 0, flags = BPF_RB_NO_WAKEUP, size;
+	__u64 zero = 0, flags = BPF_RB_NO_WAKEUP, size, sub_vals, off, n;
+	struct kccl_agg_sub *u;
+	struct bpf_dynptr rec;
 	__u64 *done;
 	bool last = true;
+	__u32 i, idx;
 
-	size = KCCL_AGG_RECORD_HDR_LEN + (__u64)nelem * 8;
-	if (size > sizeof(s->rec))
+	if (pay_len == 0 || pay_len > KCCL_AGG_MAX_PAYLOAD || (esize != 4 && esize != 8))
 		return -1;
+	size = KCCL_AGG_RECORD_HDR_LEN + (__u64)(pay_len / esize) * 8;
+	sub_vals = KCCL_AGG_SUB_BYTES / esize;	/* values per sub-block */
 	done = bpf_map_lookup_elem(&agg_op_progress, &k);
 	if (!done) {
 		bpf_map_update_elem(&agg_op_progress, &k, &zero, BPF_NOEXIST);
@@ -138,14 +148,35 @@ static __always_inline int deliver(struct kccl_agg_slot *s, __u32 op_id, __u32 p
 		last = __sync_fetch_and_add(done, pay_len) + pay_len >= msg_len;
 	if (last || bpf_ringbuf_query(&agg_records, BPF_RB_AVAIL_DATA) + size > cfg_wakeup_bytes)
 		flags = BPF_RB_FORCE_WAKEUP;
-	if (bpf_ringbuf_output(&agg_records, &s->rec, size, flags)) {
-		if (done)
-			__sync_fetch_and_add(done, -(__s64)pay_len);
-		return -1;
+	if (bpf_ringbuf_reserve_dynptr(&agg_records, size, 0, &rec))
+		goto fail;
+	if (bpf_dynptr_write(&rec, 0, &s->rec, sizeof(s->rec), 0))
+		goto fail;
+	for (i = 0; i < KCCL_AGG_MAX_SUBS; i++) {
+		off = (__u64)i * sub_vals * 8;
+		if (KCCL_AGG_RECORD_HDR_LEN + off >= size)
+			break;
+		n = size - KCCL_AGG_RECORD_HDR_LEN - off;
+		if (n > sub_vals * 8)
+			n = sub_vals * 8;
+		/* Again on an opaque copy: the verifier needs both bounds. */
+		OPAQUE(n);
+		if (n == 0 || n > sizeof(u->acc))
+			goto fail;
+		idx = base + i;
+		u = bpf_map_lookup_elem(&agg_acc, &idx);
+		if (!u || bpf_dynptr_write(&rec, KCCL_AGG_RECORD_HDR_LEN + off, u->acc, n, 0))
+			goto fail;
 	}
+	bpf_ringbuf_submit_dynptr(&rec, flags);
 	if (last)
 		bpf_map_delete_elem(&agg_op_progress, &k);
 	return 0;
+fail:
+	bpf_ringbuf_discard_dynptr(&rec, 0);
+	if (done)
+		__sync_fetch_and_add(done, -(__s64)pay_len);
+	return -1;
 }
 
 #endif /* KCCL_AGG_ANSWER_H */

@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * kccl_agg_combine.h: the element loops of xdp_agg.bpf.c: store or combine
- * one chunk's payload (int32/int64, SUM/AVG/COUNT/MAX/MIN) into a slot's
- * accumulators and write the answer back, branch-free, in blocks of
+ * one sub-block of a chunk's payload (int32/int64, SUM/AVG/COUNT/MAX/MIN)
+ * into its accumulators (struct kccl_agg_sub) and write the answer back, branch-free, in blocks of
  * BLK_BYTES, with their per-CPU scratch memory (struct agg_scratch).
  *
- * Pure functions of the slot and the scratch buffer: no maps, no
+ * Pure functions of the sub-block and the scratch buffer: no maps, no
  * configuration, no helper calls.  Why the loops are shaped the way they are
  * (verifier state counts) is in the comment on top of xdp_agg.bpf.c.
  */
@@ -35,9 +35,9 @@
 
 /*
  * The loops work on blocks of BLK_BYTES payload bytes (6 int32 or 3 int64
- * elements): 6 and 3 divide KCCL_AGG_MAX_ELEMS (858) and 429, so the last
- * block of any payload ends inside the slot's acc[] and the scratch buffer.
- * The scratch copy of the payload is zero-filled up to the end of its last
+ * elements): 6 and 3 divide KCCL_AGG_SUB_ELEMS (858) and 429, so the last
+ * block of any sub-block ends inside its acc[] and the scratch buffer.
+ * The scratch copy of the sub-block is zero-filled up to the end of its last
  * block, so the elements past the payload (up to 5) are zeros: every
  * contribution of a chunk has the same length (else MISMATCH), so the
  * accumulators past it hold 0 after the store and keep it (0 + 0, 0 != 0 is
@@ -47,9 +47,9 @@
 #define BLK_BYTES	24
 #define BLK_W4		(BLK_BYTES / 4)
 #define BLK_W8		(BLK_BYTES / 8)
-#define NBLK		(KCCL_AGG_MAX_PAYLOAD / BLK_BYTES)	/* 143 */
+#define NBLK		(KCCL_AGG_SUB_BYTES / BLK_BYTES)	/* 143 */
 
-_Static_assert(KCCL_AGG_MAX_PAYLOAD % BLK_BYTES == 0, "blocks tile the largest payload");
+_Static_assert(KCCL_AGG_SUB_BYTES % BLK_BYTES == 0, "blocks tile a sub-block");
 
 /*
  * Per-CPU scratch memory of the program.  The loops load their block count
@@ -75,12 +75,12 @@ struct agg_scratch {
 	 * checks narrow a copy the verifier does not link to anything used
 	 * after the loop (else every exit iteration is a new state). */
 	__u32 nblk;
-	/* The element count for after the lock (a local would be recomputed
-	 * there from the width, making it live across the loops). */
-	__u32 nelem;
-	/* The chunk's payload, big-endian, zero-filled to a block boundary
-	 * (the fill writes BLK_BYTES at payload_len). */
-	__u8 buf[KCCL_AGG_MAX_PAYLOAD + BLK_BYTES] __attribute__((aligned(8)));
+	/* The claim generation of the slot (kccl_agg_slot.gen) the
+	 * sub-block passes must find in each kccl_agg_sub. */
+	__u64 gen;
+	/* One sub-block of the payload, big-endian, zero-filled to a block
+	 * boundary (the fill writes BLK_BYTES at its length). */
+	__u8 buf[KCCL_AGG_SUB_BYTES + BLK_BYTES] __attribute__((aligned(8)));
 };
 
 #define PUT(sc, f, v)	(*(volatile __u32 *)&(sc)->f = (v))
@@ -132,15 +132,15 @@ static __always_inline __s64 comb_w4(const int k, __s64 a, __s64 v)
 
 /*
  * Width-4 elements (I32, F32Q): combines the nblk blocks of big-endian int32
- * in sc->buf into s->rec.acc (k: the op and mode).  Two elements are loaded
+ * in sc->buf into u->acc (k: the op and mode).  Two elements are loaded
  * at a time: one 64-bit load and byte swap, the high half is the first.
- * Runs under the slot's lock: no helper calls.
+ * Runs under the sub-block's lock: no helper calls.
  */
-static __always_inline void w4_loop(struct kccl_agg_slot *s, struct agg_scratch *sc, const int k)
+static __always_inline void w4_loop(struct kccl_agg_sub *u, struct agg_scratch *sc, const int k)
 {
 	__u32 nb = GET(sc, nblk), b;
 	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = s->rec.acc;
+	__s64 *a = u->acc;
 
 #pragma clang loop unroll(disable)
 	for (b = 0; b < NBLK; b++) {
@@ -187,11 +187,11 @@ static __always_inline __s64 sat32(__s64 r)
 /* Width-4 write-back: the accumulators saturated to int32, big-endian, into
  * sc->buf (what an allreduce result carries); ELEM_SAT into sc->res.  A
  * block is clamped only if one of its values is out of range. */
-static __always_inline void w4_write(struct kccl_agg_slot *s, struct agg_scratch *sc)
+static __always_inline void w4_write(struct kccl_agg_sub *u, struct agg_scratch *sc)
 {
 	__u32 nb = GET(sc, nblk), b;
 	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = s->rec.acc;
+	__s64 *a = u->acc;
 
 	*(volatile __s64 *)&sc->flag = 0;
 #pragma clang loop unroll(disable)
@@ -227,11 +227,11 @@ static __always_inline void w4_write(struct kccl_agg_slot *s, struct agg_scratch
  * comparison and SUM/AVG overflow (ELEM_OVF into sc->res) from sign bits
  * (Hacker's Delight 2-12/2-13).
  */
-static __always_inline void w8_loop(struct kccl_agg_slot *s, struct agg_scratch *sc, const int k)
+static __always_inline void w8_loop(struct kccl_agg_sub *u, struct agg_scratch *sc, const int k)
 {
 	__u32 nb = GET(sc, nblk), b;
 	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = s->rec.acc;
+	__s64 *a = u->acc;
 
 	if (k == K_ADD)
 		*(volatile __s64 *)&sc->flag = 0;
@@ -275,11 +275,11 @@ static __always_inline void w8_loop(struct kccl_agg_slot *s, struct agg_scratch 
 }
 
 /* Width-8 write-back: the accumulators, big-endian, into sc->buf. */
-static __always_inline void w8_write(struct kccl_agg_slot *s, struct agg_scratch *sc)
+static __always_inline void w8_write(struct kccl_agg_sub *u, struct agg_scratch *sc)
 {
 	__u32 nb = GET(sc, nblk), b;
 	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = s->rec.acc;
+	__s64 *a = u->acc;
 
 #pragma clang loop unroll(disable)
 	for (b = 0; b < NBLK; b++) {
@@ -294,51 +294,51 @@ static __always_inline void w8_write(struct kccl_agg_slot *s, struct agg_scratch
 }
 
 /*
- * One pass over the chunk's elements as sc says (mode, write, op, esize):
+ * One pass over a sub-block's elements as sc says (mode, write, op, esize):
  * the first contribution (ELEM_STORE) stores, later ones (ELEM_COMBINE)
  * combine, and with write the results go into sc->buf (a separate pass: only
  * allreduce answers need it).  sc->res gets ELEM_OVF / ELEM_SAT.
  */
-static __always_inline void elems(struct kccl_agg_slot *s, struct agg_scratch *sc)
+static __always_inline void elems(struct kccl_agg_sub *u, struct agg_scratch *sc)
 {
 	__u32 mode = GET(sc, mode), op = GET(sc, op);
 
 	if (GET(sc, esize) == 8) {
 		if (mode == ELEM_STORE) {
 			if (op == KCCL_OP_COUNT)
-				w8_loop(s, sc, K_STORE_COUNT);
+				w8_loop(u, sc, K_STORE_COUNT);
 			else
-				w8_loop(s, sc, K_STORE);
+				w8_loop(u, sc, K_STORE);
 		} else if (mode == ELEM_COMBINE) {
 			if (op == KCCL_OP_COUNT)
-				w8_loop(s, sc, K_COUNT);
+				w8_loop(u, sc, K_COUNT);
 			else if (op == KCCL_OP_MAX)
-				w8_loop(s, sc, K_MAX);
+				w8_loop(u, sc, K_MAX);
 			else if (op == KCCL_OP_MIN)
-				w8_loop(s, sc, K_MIN);
+				w8_loop(u, sc, K_MIN);
 			else
-				w8_loop(s, sc, K_ADD);
+				w8_loop(u, sc, K_ADD);
 		}
 		if (GET(sc, write))
-			w8_write(s, sc);
+			w8_write(u, sc);
 	} else {
 		if (mode == ELEM_STORE) {
 			if (op == KCCL_OP_COUNT)
-				w4_loop(s, sc, K_STORE_COUNT);
+				w4_loop(u, sc, K_STORE_COUNT);
 			else
-				w4_loop(s, sc, K_STORE);
+				w4_loop(u, sc, K_STORE);
 		} else if (mode == ELEM_COMBINE) {
 			if (op == KCCL_OP_COUNT)
-				w4_loop(s, sc, K_COUNT);
+				w4_loop(u, sc, K_COUNT);
 			else if (op == KCCL_OP_MAX)
-				w4_loop(s, sc, K_MAX);
+				w4_loop(u, sc, K_MAX);
 			else if (op == KCCL_OP_MIN)
-				w4_loop(s, sc, K_MIN);
+				w4_loop(u, sc, K_MIN);
 			else
-				w4_loop(s, sc, K_ADD);
+				w4_loop(u, sc, K_ADD);
 		}
 		if (GET(sc, write))
-			w4_write(s, sc);
+			w4_write(u, sc);
 	}
 }
 

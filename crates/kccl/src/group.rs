@@ -5,7 +5,7 @@
 //! job = 1                # job id carried in every kccl header
 //! aggregator = 4         # optional: rank that aggregates allreduce (runs
 //!                        # `kccl aggregator`, contributes nothing)
-//! chunk_bytes = 1432     # optional: aggregation chunk (multiple of 8, 8..=3432)
+//! chunk_bytes = 1432     # optional: aggregation chunk (multiple of 8, 8..=65208; needs MTU >= chunk + 68)
 //!
 //! [[member]]
 //! rank = 0
@@ -261,7 +261,8 @@ pub fn check_chunk_bytes(v: i64) -> std::result::Result<u32, String> {
     let max = crate::wire::AGG_MAX_PAYLOAD as i64;
     if !(8..=max).contains(&v) || v % 8 != 0 {
         return Err(format!(
-            "`chunk_bytes`: {v} must be a multiple of 8 in [8, {max}] (1432 for a 1500-byte MTU, 3432 for MTU 3500)"
+            "`chunk_bytes`: {v} must be a multiple of 8 in [8, {max}] (the MTU less 68: 1432 for a 1500-byte MTU, \
+             8928 for 9000, {max} for 65535 or more)"
         ));
     }
     Ok(v as u32)
@@ -371,11 +372,11 @@ netns = "h1"
         assert!(e.contains("`aggregator`") && e.contains("-1"), "{e}");
         let e = err_text(&GOOD.replace("job = 7\n", "job = 7\naggregator = \"x\"\n"));
         assert!(e.contains("aggregator") && e.contains("line 3"), "{e}");
-        for bad in ["0", "4", "12", "3440", "1433", "-8"] {
+        for bad in ["0", "4", "12", "65216", "1433", "-8"] {
             let e = err_text(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {bad}\n")));
             assert!(e.contains("line 3") && e.contains("`chunk_bytes`") && e.contains(bad), "{bad}: {e}");
         }
-        for good in ["8", "1432", "3432"] {
+        for good in ["8", "1432", "3432", "8928", "65208"] {
             let g = p(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {good}\n"))).expect(good);
             assert_eq!(g.chunk_bytes.to_string(), good);
         }

@@ -7,22 +7,37 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::group::MAX_MEMBERS;
-use crate::skel_agg::types::kccl_agg_record;
+use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot, kccl_agg_sub};
 
-/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD).
-pub const MAX_CHUNK_BYTES: u32 = 3432;
-/// Accumulators per slot (KCCL_AGG_MAX_ELEMS).
+/// Bytes of a chunk combined under one lock (KCCL_AGG_SUB_BYTES).
+pub const SUB_BYTES: u32 = crate::wire::AGG_SUB_BYTES as u32;
+/// Accumulators of one sub-block (KCCL_AGG_SUB_ELEMS).
+pub const SUB_ELEMS: usize = SUB_BYTES as usize / 4;
+/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD): 19
+/// sub-blocks, one IPv4 datagram.
+pub const MAX_CHUNK_BYTES: u32 = crate::wire::AGG_MAX_PAYLOAD as u32;
+/// Values of the largest record (KCCL_AGG_MAX_ELEMS).
 pub const MAX_ELEMS: usize = MAX_CHUNK_BYTES as usize / 4;
 /// Bytes of a ring buffer record before the values (KCCL_AGG_RECORD_HDR_LEN).
 pub const RECORD_HDR_LEN: usize = 32;
 /// Default chunk size: a 1500-byte MTU (1500 - 20 - 8 - 40).
 pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
-/// Largest slot count [`AggEngine::load`] accepts (a slot is ~6.9 KiB).
+/// Largest slot count [`AggEngine::load`] accepts (a slot is 80 bytes plus
+/// ~6.9 KiB per sub-block of its chunk).
 pub const MAX_SLOTS: u32 = 1 << 14;
 
+/// Largest agg_acc (sub-block) count the engine accepts: ~225 MiB.
+pub const MAX_SUB_BLOCKS: u64 = 1 << 15;
+
+/// Sub-blocks (agg_acc entries) per slot for chunks of `chunk_bytes`.
+pub const fn subs_per_slot(chunk_bytes: u32) -> u32 {
+    chunk_bytes.div_ceil(SUB_BYTES)
+}
+
 // The C headers are the definition; fail the build if the generated copies move.
-const _: () = assert!(size_of::<kccl_agg_record>() == RECORD_HDR_LEN + MAX_ELEMS * 8);
-const _: () = assert!(offset_of!(kccl_agg_record, acc) == RECORD_HDR_LEN);
+const _: () = assert!(size_of::<kccl_agg_record>() == RECORD_HDR_LEN);
+const _: () = assert!(size_of::<kccl_agg_slot>() == 48 + RECORD_HDR_LEN);
+const _: () = assert!(offset_of!(kccl_agg_sub, acc) == 16 && size_of::<kccl_agg_sub>() == 16 + SUB_ELEMS * 8);
 const _: () = assert!(
     size_of::<crate::skel_agg::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
         && size_of::<crate::skel_agg_result::types::kccl_member>() == size_of::<crate::skel::types::kccl_member>()
@@ -97,10 +112,26 @@ impl AggEngineConfig {
         if self.slot_timeout.is_zero() || self.slot_timeout.as_nanos() > u128::from(u64::MAX) {
             return bad("slot_timeout", format!("{:?} must be positive and fit 64-bit nanoseconds", self.slot_timeout));
         }
-        if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 16 << 10 {
+        let subs = self.nslots as u64 * u64::from(subs_per_slot(self.chunk_bytes));
+        if subs > MAX_SUB_BLOCKS {
+            return bad(
+                "nslots",
+                format!(
+                    "{} slots of {}-byte chunks need {subs} sub-blocks of accumulators (~6.9 KiB each), more than \
+                     {MAX_SUB_BLOCKS}: use fewer slots (a smaller window) for big chunks",
+                    self.nslots, self.chunk_bytes
+                ),
+            );
+        }
+        // An int32 chunk's record: the header and 8 bytes per 4-byte element.
+        let record = RECORD_HDR_LEN as u64 + 2 * u64::from(self.chunk_bytes);
+        if !self.ring_bytes.is_power_of_two() || u64::from(self.ring_bytes) < (16 << 10).max(4 * record) {
             return bad(
                 "ring_bytes",
-                format!("{} must be a power of two of at least 16384 (a full record is 6896 bytes)", self.ring_bytes),
+                format!(
+                    "{} must be a power of two of at least 16384 and of 4 full records ({record} bytes each)",
+                    self.ring_bytes
+                ),
             );
         }
         if self.wakeup_bytes >= self.ring_bytes {

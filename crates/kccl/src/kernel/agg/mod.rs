@@ -19,7 +19,8 @@ mod stats;
 use record::{parse_record_header, parse_values, RecordQueue};
 
 pub use config::{
-    AggEngineConfig, XdpMode, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN,
+    subs_per_slot, AggEngineConfig, XdpMode, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN,
+    SUB_BYTES, SUB_ELEMS,
 };
 pub use record::{dtype_size, AggRecordView};
 pub use slots::{SlotInfo, SlotState, SlotSummary};
@@ -78,6 +79,7 @@ impl AggEngine {
         ro.cfg_window = cfg.window;
         let sizing = |e| Error::Bpf { step: "sizing the aggregation maps".into(), source: e };
         open.maps.agg_slots.set_max_entries(cfg.nslots).map_err(sizing)?;
+        open.maps.agg_acc.set_max_entries(cfg.nslots * subs_per_slot(cfg.chunk_bytes)).map_err(sizing)?;
         open.maps.agg_records.set_max_entries(cfg.ring_bytes).map_err(sizing)?;
         let xdp = load_skeleton(open, WHAT)?;
 
@@ -365,7 +367,7 @@ mod tests {
     use super::record::{DT_I32, DT_I64};
     use super::*;
     use crate::group::MAX_MEMBERS;
-    use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot};
+    use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot, kccl_agg_sub};
     use std::mem::offset_of;
 
     /// The generated types are the C layout of bpf/include/kccl_agg.h.
@@ -383,17 +385,24 @@ mod tests {
         assert_eq!(offset_of!(R, overflow), 22);
         assert_eq!(offset_of!(R, pad), 23);
         assert_eq!(offset_of!(R, contributors), 24);
-        assert_eq!(offset_of!(R, acc), RECORD_HDR_LEN);
-        assert_eq!(size_of::<R>(), RECORD_HDR_LEN + MAX_ELEMS * 8);
-        assert_eq!(MAX_ELEMS, 858);
+        assert_eq!(size_of::<R>(), RECORD_HDR_LEN);
+        assert_eq!((SUB_ELEMS, MAX_ELEMS, MAX_CHUNK_BYTES), (858, 16302, 65208));
         type S = kccl_agg_slot;
         assert_eq!(offset_of!(S, lock), 0);
         assert_eq!(offset_of!(S, state), 4);
         assert_eq!(offset_of!(S, expected), 8);
         assert_eq!(offset_of!(S, seen), 16);
-        assert_eq!(offset_of!(S, claimed_ns), 24);
-        assert_eq!(offset_of!(S, rec), 32);
-        assert_eq!(size_of::<S>(), 32 + size_of::<R>());
+        assert_eq!(offset_of!(S, busy), 24);
+        assert_eq!(offset_of!(S, claimed_ns), 32);
+        assert_eq!(offset_of!(S, gen), 40);
+        assert_eq!(offset_of!(S, rec), 48);
+        assert_eq!(size_of::<S>(), 48 + size_of::<R>());
+        type U = kccl_agg_sub;
+        assert_eq!(offset_of!(U, lock), 0);
+        assert_eq!(offset_of!(U, count), 4);
+        assert_eq!(offset_of!(U, gen), 8);
+        assert_eq!(offset_of!(U, acc), 16);
+        assert_eq!(size_of::<U>(), 16 + SUB_ELEMS * 8);
         // enum kccl_agg_stat has KCCL_AS_NR = 26 counters.
         assert_eq!(AggStats::N, 26);
         assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
@@ -413,10 +422,14 @@ mod tests {
         };
         assert_eq!(field(AggEngineConfig { port: 0, ..c.clone() }), "port");
         assert_eq!(field(AggEngineConfig { my_rank: 4096, ..c.clone() }), "my_rank");
-        for bad in [0, 4, 1430, 3440] {
+        for bad in [0, 4, 1430, 65216] {
             assert_eq!(field(AggEngineConfig { chunk_bytes: bad, ..c.clone() }), "chunk_bytes", "{bad}");
         }
-        AggEngineConfig { chunk_bytes: 3432, ..c.clone() }.validate().expect("3432 is the maximum");
+        let big = AggEngineConfig { chunk_bytes: 65208, nslots: 64, window: 32, ..c.clone() };
+        big.validate().expect("65208 is the maximum");
+        // 1024 slots x 19 sub-blocks: too much accumulator memory.
+        assert_eq!(field(AggEngineConfig { nslots: 4096, ..big.clone() }), "nslots");
+        assert_eq!(field(AggEngineConfig { ring_bytes: 1 << 18, ..big }), "ring_bytes");
         for bad in [0, 3, 1000, MAX_SLOTS * 2] {
             assert_eq!(field(AggEngineConfig { nslots: bad, ..c.clone() }), "nslots", "{bad}");
         }

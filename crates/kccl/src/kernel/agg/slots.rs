@@ -6,8 +6,8 @@ use std::mem::{offset_of, size_of};
 
 use libbpf_rs::{MapCore, MapFlags};
 
-use super::record::{parse_record_header, parse_values, u16_at, u32_at, u64_at, RecordHeader};
-use super::AggEngine;
+use super::record::{dtype_size, parse_record_header, u16_at, u32_at, u64_at, RecordHeader};
+use super::{subs_per_slot, AggEngine, SUB_BYTES};
 use crate::error::{Error, Result};
 
 /// enum kccl_slot_state
@@ -51,7 +51,11 @@ pub struct SlotInfo {
     pub state: SlotState,
     pub expected: u64,
     pub seen: u64,
+    /// Contributors whose sub-blocks are being added right now.
+    pub busy: u64,
     pub claimed_ns: u64,
+    /// Claim generation (the sub-blocks of this chunk carry it).
+    pub gen: u64,
     pub job_id: u32,
     pub op_id: u32,
     pub frag_off: u32,
@@ -62,7 +66,9 @@ pub struct SlotInfo {
     pub dtype: u8,
     pub overflow: bool,
     pub contributors: u64,
-    /// The accumulators in use (payload_len / element size of them).
+    /// The accumulators in use (payload_len / element size of them, from
+    /// the slot's sub-blocks; 0 for a sub-block no contribution of this
+    /// generation reached yet).
     pub acc: Vec<i64>,
 }
 
@@ -113,12 +119,15 @@ impl AggEngine {
         let v = self.slot_bytes(index)?;
         let rec = &v[offset_of!(S, rec)..];
         let h = parse_record_header(rec);
-        let mut acc = Vec::new();
         let (nvalues, h) = match h {
             Ok(h) => (h.nvalues, Some(h)),
             Err(_) => (0, None),
         };
-        parse_values(rec, nvalues, &mut acc)?;
+        let gen = u64_at(&v, offset_of!(S, gen));
+        let acc = match &h {
+            Some(h) if nvalues > 0 => self.slot_values(index, gen, h.dtype, nvalues)?,
+            _ => Vec::new(),
+        };
         let h = h.unwrap_or(RecordHeader {
             job_id: u32_at(rec, 0),
             op_id: u32_at(rec, 4),
@@ -136,7 +145,9 @@ impl AggEngine {
             state: u32_at(&v, offset_of!(S, state)).into(),
             expected: u64_at(&v, offset_of!(S, expected)),
             seen: u64_at(&v, offset_of!(S, seen)),
+            busy: u64_at(&v, offset_of!(S, busy)),
             claimed_ns: u64_at(&v, offset_of!(S, claimed_ns)),
+            gen,
             job_id: h.job_id,
             op_id: h.op_id,
             frag_off: h.frag_off,
@@ -149,6 +160,34 @@ impl AggEngine {
             contributors: h.contributors,
             acc,
         })
+    }
+
+    /// The first `n` accumulators of slot `index` (dtype `dtype`), sub-block
+    /// by sub-block from agg_acc; sub-blocks of another generation than
+    /// `gen` count as zeros.
+    fn slot_values(&self, index: u32, gen: u64, dtype: u8, n: usize) -> Result<Vec<i64>> {
+        use crate::skel_agg::types::kccl_agg_sub as U;
+        let per_sub = SUB_BYTES as usize / dtype_size(dtype).unwrap_or(4);
+        let subs = subs_per_slot(self.cfg.chunk_bytes);
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n.div_ceil(per_sub) as u32 {
+            let key = index * subs + i;
+            let v = self
+                .xdp
+                .maps
+                .agg_acc
+                .lookup(&key.to_ne_bytes(), MapFlags::ANY)
+                .map_err(|e| Error::Bpf { step: format!("reading agg_acc[{key}]"), source: e })?
+                .ok_or_else(|| Error::Usage(format!("agg_acc[{key}] missing (slot {index}, sub-block {i})")))?;
+            if v.len() < size_of::<U>() {
+                return Err(Error::Usage(format!("agg_acc value of {} bytes, {} expected", v.len(), size_of::<U>())));
+            }
+            let k = per_sub.min(n - out.len());
+            let ours = u64_at(&v, offset_of!(U, gen)) == gen;
+            let acc = &v[offset_of!(U, acc)..];
+            out.extend((0..k).map(|j| if ours { u64_at(acc, j * 8) as i64 } else { 0 }));
+        }
+        Ok(out)
     }
 
     /// How many slots are in each state (for tests and reclaim checks).
