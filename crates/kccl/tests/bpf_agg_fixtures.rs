@@ -391,6 +391,10 @@ enum Step {
 enum Engine {
     Default,
     Chunk3432,
+    /// A 9000-byte MTU's chunk: three sub-blocks, multi-buffer frames.
+    Chunk8928,
+    /// The largest chunk (19 sub-blocks, one IPv4 datagram), 64 slots.
+    Chunk65208,
     ShortTimeout,
     SmallRing,
     /// A fresh engine for the slot-reuse fixtures (its agg_acks start empty).
@@ -403,6 +407,12 @@ impl Engine {
         match self {
             Engine::Default | Engine::Acks => {}
             Engine::Chunk3432 => c.chunk_bytes = 3432,
+            Engine::Chunk8928 => c.chunk_bytes = 8928,
+            Engine::Chunk65208 => {
+                c.chunk_bytes = 65208;
+                c.nslots = 64;
+                c.window = 32;
+            }
             Engine::ShortTimeout => c.slot_timeout = Duration::from_millis(200),
             Engine::SmallRing => {
                 c.ring_bytes = 16 << 10;
@@ -1182,6 +1192,136 @@ fn fixtures() -> Vec<Fixture> {
         c2.flags = 0;
         f.drop(&c2);
         f.stats = stats(|s| s.malformed = 1);
+        t.push(f);
+    }
+
+    // 9b. Multi-buffer frames (xdp.frags).  BPF_PROG_TEST_RUN puts 3520
+    //     bytes in the linear part and the rest in 4096-byte fragments, so the
+    //     payload (from byte 82) crosses a fragment boundary inside an element
+    //     (3520 - 82 = 3438 is not a multiple of 4 or 8) and every sub-block
+    //     boundary (3432 bytes) falls elsewhere than a fragment's.
+    {
+        let e = Engine::Chunk65208;
+        let op_id = ids.alloc(e, &[0]);
+        let n = 65208 / 4;
+        let vals: Vec<Vec<i64>> = (1..=3)
+            .map(|r: i64| (0..n as i64).map(|i| (i * 7919 + r * 1_000_003) % 2_000_000_001 - 1_000_000_000).collect())
+            .collect();
+        let c: Vec<Contrib> =
+            ranks.iter().zip(&vals).map(|(&r, v)| Contrib::new(r, op_id, SUM, I32, &ranks, v)).collect();
+        assert_eq!(c[0].build().len(), 14 + 20 + 8 + 40 + 65208);
+        let (acc, _) = reduce(SUM, I32, &vals);
+        let mut f = Fixture::new("65208-byte chunk, one multi-buffer frame (19 sub-blocks, 16302 x I32), reduce SUM", e);
+        f.drop(&c[0]).drop(&c[1]).pass(&c[2], c[2].ack(false, mask_of(&ranks)));
+        // A retransmission of the finished chunk: the ACK again, to its sender.
+        f.pass(&c[0], c[0].ack(false, mask_of(&ranks[..1])));
+        f.stats = stats(|s| {
+            s.pkts = 3;
+            s.chunks_done = 1;
+            s.acks = 2;
+            s.dup_done = 1;
+            s.records = 1;
+        });
+        f.slots = vec![(op_id, 0, SlotState::Done, mask_of(&ranks))];
+        f.records = vec![Rec {
+            op_id,
+            frag_off: 0,
+            msg_len: 65208,
+            payload_len: 65208,
+            agg_op: SUM,
+            dtype: I32,
+            overflow: false,
+            contributors: mask_of(&ranks),
+            values: acc,
+        }];
+        t.push(f);
+    }
+    {
+        let e = Engine::Chunk65208;
+        let op_id = ids.alloc(e, &[0]);
+        let n = 65208 / 4;
+        // Sums beyond int32 in the last sub-block only: saturated there.
+        let vals: Vec<Vec<i64>> = (1..=2)
+            .map(|r: i64| {
+                (0..n as i64).map(|i| if i >= n as i64 - 3 { 2_000_000_000 } else { (i - 8000) * r }).collect()
+            })
+            .collect();
+        let c: Vec<Contrib> =
+            [1u16, 2].iter().zip(&vals).map(|(&r, v)| Contrib::new(r, op_id, SUM, I32, &[1, 2], v).allreduce()).collect();
+        let (acc, _) = reduce(SUM, I32, &vals);
+        let (want, sat) = wire_result(I32, &acc);
+        assert!(sat);
+        let mut f = Fixture::new("65208-byte chunk, multi-buffer allreduce SUM: RESULT written across fragments", e);
+        f.drop(&c[0]).pass(&c[1], c[1].answer(T_AGG_RESULT, true, 0b110, want.clone()));
+        f.pass(&c[0], c[0].answer(T_AGG_RESULT, true, 0b010, want));
+        f.stats = stats(|s| {
+            s.pkts = 2;
+            s.chunks_done = 1;
+            s.results = 2;
+            s.dup_done = 1;
+            s.overflow = 1;
+        });
+        t.push(f);
+    }
+    {
+        // Chunk 8928, msg 8928 + 7544: the second (last) chunk's frame is
+        // 82 + 7544 = 7626 bytes, its last fragment 10 bytes long.
+        let e = Engine::Chunk8928;
+        let op_id = ids.alloc(e, &[0, 8928]);
+        let msg = 8928 + 7544;
+        let vals: Vec<Vec<i64>> = (1..=2)
+            .map(|r: i64| (0..(msg / 8) as i64).map(|i| (i - 900) * r * 1_000_000_007).collect())
+            .collect();
+        let mut f = Fixture::new("chunk 8928, I64 MIN: full chunk of 3 sub-blocks, short last chunk ending in a 10-byte fragment", e);
+        let mut recs = Vec::new();
+        for (frag, len) in [(0usize, 8928usize), (8928, 7544)] {
+            let part: Vec<Vec<i64>> = vals.iter().map(|v| v[frag / 8..(frag + len) / 8].to_vec()).collect();
+            let c: Vec<Contrib> = [1u16, 2]
+                .iter()
+                .zip(&part)
+                .map(|(&r, v)| {
+                    let mut c = Contrib::new(r, op_id, MIN, I64, &[1, 2], v);
+                    c.frag_off = frag as u32;
+                    c.msg_len = msg as u32;
+                    c.flags = if frag + len == msg { F_LAST_FRAG } else { 0 };
+                    c
+                })
+                .collect();
+            f.drop(&c[0]).pass(&c[1], c[1].ack(false, 0b110));
+            let (acc, _) = reduce(MIN, I64, &part);
+            recs.push(Rec {
+                op_id,
+                frag_off: frag as u32,
+                msg_len: msg as u32,
+                payload_len: len as u16,
+                agg_op: MIN,
+                dtype: I64,
+                overflow: false,
+                contributors: 0b110,
+                values: acc,
+            });
+        }
+        f.stats = stats(|s| {
+            s.pkts = 4;
+            s.chunks_done = 2;
+            s.acks = 2;
+            s.records = 2;
+        });
+        f.records = recs;
+        t.push(f);
+    }
+    {
+        let e = Engine::Chunk8928;
+        let op_id = ids.alloc(e, &[0]);
+        let mut f = Fixture::new("chunk 8928: a 8936-byte frame (longer than the slot's chunk) is malformed", e);
+        let mut c = Contrib::new(1, op_id, SUM, I32, &ranks, &[1; 2234]);
+        c.msg_len = 20000;
+        c.flags = 0;
+        f.drop(&c);
+        let mut big = Contrib::new(1, op_id, SUM, I32, &ranks, &[1; 65216 / 4]);
+        big.msg_len = 65216;
+        f.drop(&big);
+        f.stats = stats(|s| s.malformed = 2);
         t.push(f);
     }
 
