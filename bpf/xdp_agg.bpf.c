@@ -6,9 +6,11 @@
  * counters).
  *
  * What it does: every contribution (KCCL_T_AGG of cfg_job_id to UDP port
- * cfg_port) is validated and added, under the bpf_spin_lock of its slot, to
- * the slot's int64 accumulators; a `seen` bitmap makes retransmissions
- * harmless.  The packet that completes a chunk (seen == expected) is turned
+ * cfg_port) is validated, claimed in its slot under the slot's
+ * bpf_spin_lock (the sender is marked busy), added sub-block by sub-block
+ * (KCCL_AGG_SUB_BYTES, each under its own lock, struct kccl_agg_sub) to the
+ * int64 accumulators, and then counted in the slot's `seen` bitmap, which
+ * makes retransmissions harmless.  The packet that completes a chunk (seen == expected) is turned
  * into the answer in place and passed up (XDP_PASS) to tc_agg_result, which
  * fans it out to the contributors:
  *  - reduce: the slot's record (header + int64 values) goes to the agg_records
@@ -22,13 +24,16 @@
  * sender only.  Every outcome is counted in agg_stats (enum kccl_agg_stat).
  *
  * What it assumes:
- *  - IPv4/UDP over Ethernet (any IHL, no IP fragments), a linear XDP frame:
- *    the program is not xdp.frags, so a chunk must fit one buffer (MTU <= 3500
- *    on veth; KCCL_AGG_MAX_PAYLOAD = 3432).
+ *  - IPv4/UDP over Ethernet (any IHL, no IP fragments).  The program is
+ *    xdp.frags: a chunk of up to KCCL_AGG_MAX_PAYLOAD (65208) bytes arrives
+ *    as one multi-buffer frame (the veth's MTU may then exceed a page); the
+ *    headers must be in the linear part, the payload is read and written
+ *    with bpf_xdp_load_bytes/store_bytes across fragments.
  *  - Configuration (const volatile, set before load): cfg_job_id, cfg_port
  *    (host order), cfg_my_rank (src_rank of answers), cfg_chunk_bytes (the
  *    job's chunk size C, <= KCCL_AGG_MAX_PAYLOAD, every contributor uses it),
- *    cfg_nslots (== max_entries of agg_slots, a power of two), cfg_slot_timeout_ns
+ *    cfg_nslots (== max_entries of agg_slots, a power of two; agg_acc has
+ *    cfg_nslots * ceil(C / KCCL_AGG_SUB_BYTES) entries), cfg_slot_timeout_ns
  *    (an ACTIVE/UNDELIVERED chunk older than this may lose its slot),
  *    cfg_wakeup_bytes (ring buffer wake-up batching).
  *  - members[rank] is filled by the runtime; a contribution whose source
@@ -46,27 +51,31 @@
  *
  * Slot rules (all under the slot's lock; the key is job, op id, frag_off):
  *  - same key: op, type, payload_len, msg_len, mask_base and contributor mask
- *    must equal the slot's (else MISMATCH, dropped); ACTIVE: duplicate (DUP,
- *    dropped) or added; DELIVERING (another CPU emits the result right now):
+ *    must equal the slot's (else MISMATCH, dropped); ACTIVE: counted already
+ *    (PENDING answer), being added on another CPU (busy: DUP, dropped) or
+ *    added (busy until finish() counts it in seen); DELIVERING (another CPU emits the result right now):
  *    DUP; DONE: answer again (DUP_DONE); UNDELIVERED (the ring buffer was
  *    full when it completed): the ring output is retried and on success the
  *    ACK goes to every contributor (none got one yet).
  *  - other key: FREE or DONE slots are claimed; ACTIVE/UNDELIVERED ones are
  *    taken over after cfg_slot_timeout_ns since their claim (RECLAIMED), else
  *    BUSY (dropped); DELIVERING is BUSY.
- *  - The claiming (first) contribution STORES its values (COUNT: v != 0), so
- *    a claim needs no identity initialisation pass; later ones combine: SUM
+ *  - A claim starts a new generation (slot gen).  Per sub-block, the first
+ *    contribution of the generation STORES its values (COUNT: v != 0), so a
+ *    claim needs no identity initialisation pass; later ones combine: SUM
  *    and AVG add, COUNT adds (v != 0), MAX/MIN; I64 SUM/AVG detect signed
  *    overflow (rec.overflow, sticky).  I32 and F32Q are the same to the
- *    kernel.
+ *    kernel.  A sub-block of a newer generation than the contribution's
+ *    means the slot was taken over meanwhile: the pass stops and finish()
+ *    drops the contribution (its sender retransmits).
  *
- * Loops: open-coded bounded loops, no bpf_loop and no tail calls.  The
- * combine runs under bpf_spin_lock, where no helper may be called, so
- * bpf_loop (a helper) is impossible there, and a tail call cannot be made
- * while holding the lock either (it could only split the program after the
- * unlock, which buys nothing: one program fits the verifier's budget).  The
+ * Loops: the sub-blocks of a chunk go through bpf_loop (sub_pass, called by
+ * the global function sub_passes, so the verifier checks it once for both
+ * of its call sites); within a sub-block, open-coded bounded loops.  The
+ * combine runs under the sub-block's bpf_spin_lock, where no helper may be
+ * called (so no bpf_loop inside it).  The
  * loops are specialised per element width (4 bytes: I32/F32Q, up to
- * KCCL_AGG_MAX_ELEMS = 858; 8 bytes: I64, up to 429) and per op and mode
+ * KCCL_AGG_SUB_ELEMS = 858; 8 bytes: I64, up to 429) and per op and mode
  * (store, store (v != 0), add, count, max, min), so the common SUM combine is
  * a plain load, byte swap, add; the int32-saturated / int64 results are
  * written back by a separate pass that only allreduce answers run (also the
@@ -74,9 +83,11 @@
  * payload bytes (6 int32, loaded two at a time, or 3 int64).  The verifier
  * walks every iteration (the index is a constant per walk), so what it costs
  * is iterations x body x walks, summed over the loops; these keep it to
- * about 280k of the 1M processed instructions (printed by the fixtures:
- * AggEngine::verified_insns):
- *  - the payload is copied (bpf_xdp_load_bytes, before the lock) into a
+ * about 880k of the 1M processed instructions (printed by the fixtures:
+ * AggEngine::verified_insns; it was 280k before the loops moved into the
+ * bpf_loop callback, which the verifier walks more than once: little
+ * headroom is left for more loop variants):
+ *  - each sub-block is copied (bpf_xdp_load_bytes, before the lock) into a
  *    per-CPU scratch buffer and written back with bpf_xdp_store_bytes: a
  *    per-element packet bounds check would grow the packet range with every
  *    iteration, so no two loop exits would be equivalent states;

@@ -52,6 +52,7 @@ pub const AGG_MAX_SUBS: usize = 19;
 /// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD): one
 /// IPv4 datagram, a multi-buffer XDP frame on a large MTU.
 pub const AGG_MAX_PAYLOAD: usize = AGG_SUB_BYTES * AGG_MAX_SUBS;
+const _: () = assert!(AGG_MAX_PAYLOAD + 20 + 8 + HDR_LEN <= 65535, "a chunk fits one IPv4 datagram");
 /// KCCL_AGG_MAX_ELEMS: int32 elements in the largest chunk.
 pub const AGG_MAX_ELEMS: usize = AGG_MAX_PAYLOAD / 4;
 /// Largest UDP payload in a 1500-byte MTU (IPv4, no options).
@@ -428,7 +429,6 @@ mod tests {
         assert_eq!(c_value(agg, "KCCL_AGG_SUB_BYTES"), AGG_SUB_BYTES as i64);
         assert_eq!(c_value(agg, "KCCL_AGG_MAX_SUBS"), AGG_MAX_SUBS as i64);
         assert_eq!(AGG_MAX_PAYLOAD, 65208);
-        assert!(AGG_MAX_PAYLOAD + 20 + 8 + HDR_LEN <= 65535, "a chunk fits one IPv4 datagram");
         assert_eq!(AGG_MAX_PAYLOAD % 8, 0, "chunks must hold whole int64 elements");
         // Golden values too, so a change to both sides is still noticed.
         assert_eq!((OP_SUM, OP_COUNT, OP_MAX, OP_MIN, OP_AVG), (1, 2, 3, 4, 5));

@@ -1211,7 +1211,8 @@ fn fixtures() -> Vec<Fixture> {
             ranks.iter().zip(&vals).map(|(&r, v)| Contrib::new(r, op_id, SUM, I32, &ranks, v)).collect();
         assert_eq!(c[0].build().len(), 14 + 20 + 8 + 40 + 65208);
         let (acc, _) = reduce(SUM, I32, &vals);
-        let mut f = Fixture::new("65208-byte chunk, one multi-buffer frame (19 sub-blocks, 16302 x I32), reduce SUM", e);
+        let mut f =
+            Fixture::new("65208-byte chunk, one multi-buffer frame (19 sub-blocks, 16302 x I32), reduce SUM", e);
         f.drop(&c[0]).drop(&c[1]).pass(&c[2], c[2].ack(false, mask_of(&ranks)));
         // A retransmission of the finished chunk: the ACK again, to its sender.
         f.pass(&c[0], c[0].ack(false, mask_of(&ranks[..1])));
@@ -1246,8 +1247,11 @@ fn fixtures() -> Vec<Fixture> {
                 (0..n as i64).map(|i| if i >= n as i64 - 3 { 2_000_000_000 } else { (i - 8000) * r }).collect()
             })
             .collect();
-        let c: Vec<Contrib> =
-            [1u16, 2].iter().zip(&vals).map(|(&r, v)| Contrib::new(r, op_id, SUM, I32, &[1, 2], v).allreduce()).collect();
+        let c: Vec<Contrib> = [1u16, 2]
+            .iter()
+            .zip(&vals)
+            .map(|(&r, v)| Contrib::new(r, op_id, SUM, I32, &[1, 2], v).allreduce())
+            .collect();
         let (acc, _) = reduce(SUM, I32, &vals);
         let (want, sat) = wire_result(I32, &acc);
         assert!(sat);
@@ -1269,10 +1273,12 @@ fn fixtures() -> Vec<Fixture> {
         let e = Engine::Chunk8928;
         let op_id = ids.alloc(e, &[0, 8928]);
         let msg = 8928 + 7544;
-        let vals: Vec<Vec<i64>> = (1..=2)
-            .map(|r: i64| (0..(msg / 8) as i64).map(|i| (i - 900) * r * 1_000_000_007).collect())
-            .collect();
-        let mut f = Fixture::new("chunk 8928, I64 MIN: full chunk of 3 sub-blocks, short last chunk ending in a 10-byte fragment", e);
+        let vals: Vec<Vec<i64>> =
+            (1..=2).map(|r: i64| (0..(msg / 8) as i64).map(|i| (i - 900) * r * 1_000_000_007).collect()).collect();
+        let mut f = Fixture::new(
+            "chunk 8928, I64 MIN: full chunk of 3 sub-blocks, short last chunk ending in a 10-byte fragment",
+            e,
+        );
         let mut recs = Vec::new();
         for (frag, len) in [(0usize, 8928usize), (8928, 7544)] {
             let part: Vec<Vec<i64>> = vals.iter().map(|v| v[frag / 8..(frag + len) / 8].to_vec()).collect();
