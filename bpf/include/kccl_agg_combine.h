@@ -27,29 +27,35 @@
 /*
  * Hides a value from the optimizer.  The loop bodies below are branch-free
  * (MAX/MIN, (v != 0) and saturation are computed with 0 / ~0 masks): the BPF
- * backend turns selects into jumps, and every jump inside a loop that the
- * verifier walks up to 143 times adds to its work; clang would rebuild
+ * backend turns selects into jumps, and every jump inside a loop body
+ * multiplies the states the verifier explores per iterator step; clang would rebuild
  * selects from mask arithmetic whose operands it can see are 0 or ~0.
  */
 #define OPAQUE(x)	asm volatile("" : "+r"(x))
 
 /*
- * The loops work on blocks of BLK_BYTES payload bytes (6 int32 or 3 int64
- * elements): 6 and 3 divide KCCL_AGG_SUB_ELEMS (858) and 429, so the last
+ * The loops work on blocks of BLK_BYTES payload bytes (26 int32 or 13 int64
+ * elements), one open-coded iterator step (bpf_for) each: the verifier checks
+ * an iterator's body until its state repeats (the index is an unknown scalar
+ * every step), not once per iteration as it walks a bounded for loop, so the
+ * cost of verifying a loop no longer grows with the sub-block size.  The
+ * iterator kfuncs are the only calls allowed under a bpf_spin_lock.
+ * 26 and 13 divide KCCL_AGG_SUB_ELEMS (858) and 429, so the last
  * block of any sub-block ends inside its acc[] and the scratch buffer.
  * The scratch copy of the sub-block is zero-filled up to the end of its last
- * block, so the elements past the payload (up to 5) are zeros: every
+ * block, so the elements past the payload (up to 25) are zeros: every
  * contribution of a chunk has the same length (else MISMATCH), so the
  * accumulators past it hold 0 after the store and keep it (0 + 0, 0 != 0 is
  * 0, MAX/MIN(0, 0)): no saturation or overflow comes from them, and nothing
  * reads them (records and answers carry payload_len bytes).
  */
-#define BLK_BYTES	24
+#define BLK_BYTES	104
 #define BLK_W4		(BLK_BYTES / 4)
 #define BLK_W8		(BLK_BYTES / 8)
-#define NBLK		(KCCL_AGG_SUB_BYTES / BLK_BYTES)	/* 143 */
+#define NBLK		(KCCL_AGG_SUB_BYTES / BLK_BYTES)	/* 33 */
 
 _Static_assert(KCCL_AGG_SUB_BYTES % BLK_BYTES == 0, "blocks tile a sub-block");
+_Static_assert(BLK_W4 % 2 == 0 && BLK_BYTES % 8 == 0, "int32 pairs and int64 fill a block");
 
 /*
  * Per-CPU scratch memory of the program.  The loops load their block count
@@ -138,14 +144,17 @@ static __always_inline __s64 comb_w4(const int k, __s64 a, __s64 v)
  */
 static __always_inline void w4_loop(struct kccl_agg_sub *u, struct agg_scratch *sc, const int k)
 {
-	__u32 nb = GET(sc, nblk), b;
-	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = u->acc;
+	__u32 nb = GET(sc, nblk);
+	int b;
 
-#pragma clang loop unroll(disable)
-	for (b = 0; b < NBLK; b++) {
-		if (b >= nb)
+	bpf_for(b, 0, nb) {
+		__u64 *q;
+		__s64 *a;
+
+		if ((__u32)b >= NBLK)
 			break;
+		q = (__u64 *)(sc->buf + b * BLK_BYTES);
+		a = u->acc + b * BLK_W4;
 #pragma unroll
 		for (int j = 0; j < BLK_W4 / 2; j++) {
 			__u64 w = q[j];
@@ -164,8 +173,6 @@ static __always_inline void w4_loop(struct kccl_agg_sub *u, struct agg_scratch *
 			a[2 * j] = comb_w4(k, a[2 * j], x0);
 			a[2 * j + 1] = comb_w4(k, a[2 * j + 1], x1);
 		}
-		q += BLK_W4 / 2;
-		a += BLK_W4;
 	}
 }
 
@@ -189,34 +196,32 @@ static __always_inline __s64 sat32(__s64 r)
  * block is clamped only if one of its values is out of range. */
 static __always_inline void w4_write(struct kccl_agg_sub *u, struct agg_scratch *sc)
 {
-	__u32 nb = GET(sc, nblk), b;
-	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = u->acc;
+	__u32 nb = GET(sc, nblk);
+	int b;
 
 	*(volatile __s64 *)&sc->flag = 0;
-#pragma clang loop unroll(disable)
-	for (b = 0; b < NBLK; b++) {
-		__s64 r[BLK_W4];
-		__u64 out = 0;
+	bpf_for(b, 0, nb) {
+		__u64 *q, out = 0;
+		__s64 *a;
 
-		if (b >= nb)
+		if ((__u32)b >= NBLK)
 			break;
+		q = (__u64 *)(sc->buf + b * BLK_BYTES);
+		a = u->acc + b * BLK_W4;
 #pragma unroll
-		for (int j = 0; j < BLK_W4; j++) {
-			r[j] = a[j];
-			out |= ((__u64)r[j] + 0x80000000ULL) >> 32;	/* != 0: out of range */
-		}
+		for (int j = 0; j < BLK_W4; j++)
+			out |= ((__u64)a[j] + 0x80000000ULL) >> 32;	/* != 0: out of range */
 		if (out) {
 			*(volatile __s64 *)&sc->flag = 1;
 #pragma unroll
-			for (int j = 0; j < BLK_W4; j++)
-				r[j] = sat32(r[j]);
-		}
+			for (int j = 0; j < BLK_W4 / 2; j++)
+				q[j] = __builtin_bswap64((__u64)sat32(a[2 * j]) << 32 |
+							 (__u32)sat32(a[2 * j + 1]));
+		} else {
 #pragma unroll
-		for (int j = 0; j < BLK_W4 / 2; j++)
-			q[j] = __builtin_bswap64((__u64)r[2 * j] << 32 | (__u32)r[2 * j + 1]);
-		q += BLK_W4 / 2;
-		a += BLK_W4;
+			for (int j = 0; j < BLK_W4 / 2; j++)
+				q[j] = __builtin_bswap64((__u64)a[2 * j] << 32 | (__u32)a[2 * j + 1]);
+		}
 	}
 	if (*(volatile __s64 *)&sc->flag)
 		PUT(sc, res, GET(sc, res) | ELEM_SAT);
@@ -229,18 +234,20 @@ static __always_inline void w4_write(struct kccl_agg_sub *u, struct agg_scratch 
  */
 static __always_inline void w8_loop(struct kccl_agg_sub *u, struct agg_scratch *sc, const int k)
 {
-	__u32 nb = GET(sc, nblk), b;
-	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = u->acc;
+	__u32 nb = GET(sc, nblk);
+	int b;
 
 	if (k == K_ADD)
 		*(volatile __s64 *)&sc->flag = 0;
-#pragma clang loop unroll(disable)
-	for (b = 0; b < NBLK; b++) {
+	bpf_for(b, 0, nb) {
+		__u64 *q;
+		__s64 *a;
 		__s64 ovf = 0;
 
-		if (b >= nb)
+		if ((__u32)b >= NBLK)
 			break;
+		q = (__u64 *)(sc->buf + b * BLK_BYTES);
+		a = u->acc + b * BLK_W8;
 #pragma unroll
 		for (int j = 0; j < BLK_W8; j++) {
 			__s64 v, x = a[j], sum, d, lt;
@@ -267,8 +274,6 @@ static __always_inline void w8_loop(struct kccl_agg_sub *u, struct agg_scratch *
 		}
 		if (k == K_ADD)
 			*(volatile __s64 *)&sc->flag |= ovf;
-		q += BLK_W8;
-		a += BLK_W8;
 	}
 	if (k == K_ADD && *(volatile __s64 *)&sc->flag < 0)
 		PUT(sc, res, GET(sc, res) | ELEM_OVF);
@@ -277,19 +282,20 @@ static __always_inline void w8_loop(struct kccl_agg_sub *u, struct agg_scratch *
 /* Width-8 write-back: the accumulators, big-endian, into sc->buf. */
 static __always_inline void w8_write(struct kccl_agg_sub *u, struct agg_scratch *sc)
 {
-	__u32 nb = GET(sc, nblk), b;
-	__u64 *q = (__u64 *)sc->buf;
-	__s64 *a = u->acc;
+	__u32 nb = GET(sc, nblk);
+	int b;
 
-#pragma clang loop unroll(disable)
-	for (b = 0; b < NBLK; b++) {
-		if (b >= nb)
+	bpf_for(b, 0, nb) {
+		__u64 *q;
+		__s64 *a;
+
+		if ((__u32)b >= NBLK)
 			break;
+		q = (__u64 *)(sc->buf + b * BLK_BYTES);
+		a = u->acc + b * BLK_W8;
 #pragma unroll
 		for (int j = 0; j < BLK_W8; j++)
 			q[j] = __builtin_bswap64(a[j]);
-		q += BLK_W8;
-		a += BLK_W8;
 	}
 }
 
