@@ -137,6 +137,21 @@ static __always_inline __s64 comb_w4(const int k, __s64 a, __s64 v)
 }
 
 /*
+ * Block b of the sub-block: its payload words in sc->buf (*q) and its
+ * accumulators in u->acc (*a, w elements a block).  0 past NBLK: the bound
+ * the verifier needs, since the iterator's own end (nblk) is unknown to it.
+ */
+static __always_inline int block_at(struct kccl_agg_sub *u, struct agg_scratch *sc, int b,
+				    const int w, __u64 **q, __s64 **a)
+{
+	if ((__u32)b >= NBLK)
+		return 0;
+	*q = (__u64 *)(sc->buf + b * BLK_BYTES);
+	*a = u->acc + b * w;
+	return 1;
+}
+
+/*
  * Width-4 elements (I32, F32Q): combines the nblk blocks of big-endian int32
  * in sc->buf into u->acc (k: the op and mode).  Two elements are loaded
  * at a time: one 64-bit load and byte swap, the high half is the first.
@@ -151,10 +166,8 @@ static __always_inline void w4_loop(struct kccl_agg_sub *u, struct agg_scratch *
 		__u64 *q;
 		__s64 *a;
 
-		if ((__u32)b >= NBLK)
+		if (!block_at(u, sc, b, BLK_W4, &q, &a))
 			break;
-		q = (__u64 *)(sc->buf + b * BLK_BYTES);
-		a = u->acc + b * BLK_W4;
 #pragma unroll
 		for (int j = 0; j < BLK_W4 / 2; j++) {
 			__u64 w = q[j];
@@ -204,10 +217,8 @@ static __always_inline void w4_write(struct kccl_agg_sub *u, struct agg_scratch 
 		__u64 *q, out = 0;
 		__s64 *a;
 
-		if ((__u32)b >= NBLK)
+		if (!block_at(u, sc, b, BLK_W4, &q, &a))
 			break;
-		q = (__u64 *)(sc->buf + b * BLK_BYTES);
-		a = u->acc + b * BLK_W4;
 #pragma unroll
 		for (int j = 0; j < BLK_W4; j++)
 			out |= ((__u64)a[j] + 0x80000000ULL) >> 32;	/* != 0: out of range */
@@ -244,10 +255,8 @@ static __always_inline void w8_loop(struct kccl_agg_sub *u, struct agg_scratch *
 		__s64 *a;
 		__s64 ovf = 0;
 
-		if ((__u32)b >= NBLK)
+		if (!block_at(u, sc, b, BLK_W8, &q, &a))
 			break;
-		q = (__u64 *)(sc->buf + b * BLK_BYTES);
-		a = u->acc + b * BLK_W8;
 #pragma unroll
 		for (int j = 0; j < BLK_W8; j++) {
 			__s64 v, x = a[j], sum, d, lt;
@@ -289,10 +298,8 @@ static __always_inline void w8_write(struct kccl_agg_sub *u, struct agg_scratch 
 		__u64 *q;
 		__s64 *a;
 
-		if ((__u32)b >= NBLK)
+		if (!block_at(u, sc, b, BLK_W8, &q, &a))
 			break;
-		q = (__u64 *)(sc->buf + b * BLK_BYTES);
-		a = u->acc + b * BLK_W8;
 #pragma unroll
 		for (int j = 0; j < BLK_W8; j++)
 			q[j] = __builtin_bswap64(a[j]);
