@@ -5,7 +5,8 @@ CARGO ?= cargo
 KCCL := target/release/kccl
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: setup setup-peers build demo test test-unit test-root lint bench bench-smoke clean
+.PHONY: setup setup-peers build demo test test-unit test-root lint bench bench-smoke clean \
+	test-kernels test-kernels-smoke host-health
 
 setup:
 	@bash scripts/setup.sh
@@ -22,10 +23,27 @@ demo: build
 	$(SUDO) $(KCCL) demo
 
 # Every test tier: unit, BPF_PROG_TEST_RUN fixtures, namespace topologies, CLI errors, bench smoke.
-test: build setup-peers lint
+# Order matters: no native kernel test runs on a kernel that already reported memory
+# corruption (host-health), nor before the same programs ran clean in a VM of this
+# machine's kernel series (test-kernels-smoke, docs/KERNELS.md).
+test: build setup-peers lint host-health test-kernels-smoke
 	$(CARGO) build --release --workspace --tests
 	$(SUDO) env "PATH=$(PATH)" $(CARGO) test --release --workspace -- --test-threads=1
 	$(MAKE) bench-smoke
+
+# Refuses native kernel tests when this machine's kernel log shows memory corruption.
+host-health:
+	@bash tests/kernels/host-health.sh
+
+# The fixtures and a small broadcast, reduce and allreduce in a VM of this machine's kernel
+# series (a few minutes): part of `make test`, before any native kernel test.
+test-kernels-smoke: build
+	$(SUDO) env "PATH=$(PATH)" bash tests/kernels/matrix.sh --smoke
+
+# The kernel matrix: Debian's newest 6.12, this machine's series and 7.x in VMs, fixtures and
+# kernel-path topologies with loss; fails on any kernel complaint. Hours (emulated CPU).
+test-kernels: build
+	$(SUDO) env "PATH=$(PATH)" bash tests/kernels/matrix.sh
 
 lint:
 	$(CARGO) fmt --all -- --check
