@@ -105,7 +105,7 @@ mkdir -p \$R/dev/shm \$R/dev/pts; mount -t tmpfs tmpfs \$R/dev/shm; mount -t dev
 mount -t bpf bpf \$R/sys/fs/bpf; mount -t debugfs debugfs \$R/sys/kernel/debug 2>/dev/null
 mount -t tracefs tracefs \$R/sys/kernel/tracing 2>/dev/null; mount -t cgroup2 cgroup2 \$R/sys/fs/cgroup 2>/dev/null
 mkdir -p \$R/tmp/vm-ctl; mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 ctl \$R/tmp/vm-ctl
-W=\$(cat \$R/tmp/vm-ctl/cwd); mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 work \$R\$W
+W=\$(cat \$R/tmp/vm-ctl/cwd); mkdir -p \$R\$W 2>/dev/null; mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 work \$R\$W
 echo "vm.sh: guest \$(uname -r) up"
 mkdir -p \$R/tmp/home
 chroot \$R /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -115,10 +115,10 @@ sync; poweroff -f
 INIT
 }
 
-fetch() {
+fetch() {   # the kernel and the modules the tests need, cached; prints the exact version
   local kv dir tmp
   kv=$(resolve "$1"); dir=$cache/$kv
-  if [ -f "$dir/vmlinuz" ] && [ -f "$dir/initramfs.gz" ]; then echo "$kv"; return 0; fi
+  if [ -f "$dir/vmlinuz" ] && [ -d "$dir/mods" ]; then echo "$kv"; return 0; fi
   need_tools >&2
   apt_cfg
   tmp=$(mktemp -d); chmod 755 "$tmp"
@@ -139,24 +139,38 @@ fetch() {
   [ -n "$vmlinuz" ] || die "no vmlinuz-$kv in the downloaded packages"
   kmods=$(find "$tmp/root" -type d -path "*/lib/modules/$kv/kernel" | head -n 1)
   [ -n "$kmods" ] || die "no modules for $kv in the downloaded packages"
-  local ird=$tmp/initramfs m ko
-  mkdir -p "$ird/bin" "$ird/mods" "$ird/proc" "$ird/sys" "$ird/dev" "$ird/newroot"
-  cp /bin/busybox "$ird/bin/busybox"
+  local m ko
+  rm -rf "$dir"; mkdir -p "$dir/mods.new"
   for m in $modules; do
     ko=$(find "$kmods" -name "$m.ko*" | head -n 1)
     [ -n "$ko" ] || continue   # built into this kernel
     case "$ko" in
-      *.xz) xz -dc "$ko" > "$ird/mods/$m.ko" ;;
-      *.zst) zstd -qdc "$ko" > "$ird/mods/$m.ko" ;;
-      *) cp "$ko" "$ird/mods/$m.ko" ;;
+      *.xz) xz -dc "$ko" > "$dir/mods.new/$m.ko" ;;
+      *.zst) zstd -qdc "$ko" > "$dir/mods.new/$m.ko" ;;
+      *) cp "$ko" "$dir/mods.new/$m.ko" ;;
     esac
   done
-  guest_init > "$ird/init"; chmod 755 "$ird/init"
-  mkdir -p "$dir"
-  (cd "$ird" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -1 > "$dir/initramfs.gz.new")
   cp "$vmlinuz" "$dir/vmlinuz"
-  mv "$dir/initramfs.gz.new" "$dir/initramfs.gz"
+  mv "$dir/mods.new" "$dir/mods"
   echo "$kv"
+}
+
+# initramfs KV: prints the path of KV's initramfs for the current guest_init (built when
+# missing: named by the init script's hash, so a changed script never boots a stale one).
+initramfs() {
+  local dir=$cache/$1 hash ird
+  hash=$(guest_init | sha256sum | cut -c1-12)
+  if [ ! -f "$dir/initramfs-$hash.gz" ]; then
+    ird=$(mktemp -d)
+    mkdir -p "$ird/bin" "$ird/mods" "$ird/proc" "$ird/sys" "$ird/dev" "$ird/newroot"
+    cp /bin/busybox "$ird/bin/busybox"
+    cp "$dir"/mods/*.ko "$ird/mods/" 2>/dev/null || true
+    guest_init > "$ird/init"; chmod 755 "$ird/init"
+    (cd "$ird" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -1 > "$dir/initramfs-$hash.gz.new")
+    mv "$dir/initramfs-$hash.gz.new" "$dir/initramfs-$hash.gz"
+    rm -rf "$ird"
+  fi
+  echo "$dir/initramfs-$hash.gz"
 }
 
 run() {
@@ -172,7 +186,7 @@ run() {
   done
   [ $# -gt 0 ] || die "usage: vm.sh run -k SPEC [-t SECONDS] [-c CONSOLE_LOG] -- COMMAND..."
   need_tools >&2
-  local kv; kv=$(fetch "$spec")
+  local kv ird; kv=$(fetch "$spec"); ird=$(initramfs "$kv")
   local ctl; ctl=$(mktemp -d)
   pwd > "$ctl/cwd"
   printf '%q ' "$@" > "$ctl/cmd"; echo >> "$ctl/cmd"
@@ -182,7 +196,7 @@ run() {
   echo "vm.sh: booting $kv (limit ${limit}s) for: $*" >&2
   timeout "$limit" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 4096 \
     -nographic -no-reboot \
-    -kernel "$cache/$kv/vmlinuz" -initrd "$cache/$kv/initramfs.gz" \
+    -kernel "$cache/$kv/vmlinuz" -initrd "$ird" \
     -append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init" \
     -virtfs local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap \
     -virtfs local,path="$ctl",mount_tag=ctl,security_model=none,multidevs=remap \
@@ -206,7 +220,10 @@ run() {
 # The gate is only as good as its scan: a planted complaint must fail the run with 90.
 selftest() {
   local rc=0
-  run -k "${1:-host}" -t 300 -- sh -c 'echo "<3>BUG: kccl vm.sh self-test, planted" > /dev/kmsg' 2>/dev/null || rc=$?
+  local log; log=$(mktemp)
+  run -k "${1:-host}" -t 300 -- sh -c 'echo "<3>BUG: kccl vm.sh self-test, planted" > /dev/kmsg' 2>"$log" || rc=$?
+  [ "$rc" -eq 90 ] || cat "$log" >&2
+  rm -f "$log"
   [ "$rc" -eq 90 ] || die "self-test: a planted kernel complaint gave exit $rc, not 90: the scan is blind"
   echo "vm.sh: self-test ok: a planted kernel complaint fails the run"
 }
