@@ -27,6 +27,10 @@
  *    host on the segment that can spoof the aggregator's packets can also
  *    make it fan out a forged answer to the job's contributors; the
  *    deployment trusts its L2 segment (as for broadcast).
+ *  - An answer xdp_agg made from a multi-buffer contribution is as long as
+ *    the contribution (releasing an XDP frame's fragments corrupts memory
+ *    on veth); its bytes past the UDP datagram are cut with
+ *    bpf_skb_change_tail before the fan-out (KCCL_AS_TRIMMED).
  *  - Copies carry skb->mark = cfg_clone_mark, so tc_bcast at TCX egress of
  *    the same interface (if loaded) passes them untouched.
  *  - A destination that cannot be served (no member, unresolved MAC, failed
@@ -116,6 +120,14 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 		return TCX_NEXT;
 	if (bpf_ntohs(h.src_rank) != cfg_my_rank)
 		return TCX_NEXT;
+	/* An answer made from a multi-buffer contribution still carries the
+	 * contribution's bytes behind its datagram (xdp_agg never shrinks
+	 * such a frame); cut them here, on the skb, before any copy. */
+	if (skb->len > l4_off + udp_len) {
+		if (bpf_skb_change_tail(skb, l4_off + udp_len, 0))
+			return TCX_NEXT;
+		stat_add(KCCL_AS_TRIMMED, 1);
+	}
 	mask_base = bpf_ntohs(h.mask_base);
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS || mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)

@@ -28,7 +28,10 @@
  *    xdp.frags: a chunk of up to KCCL_AGG_MAX_PAYLOAD (65208) bytes arrives
  *    as one multi-buffer frame (the veth's MTU may then exceed a page); the
  *    headers must be in the linear part, the payload is read and written
- *    with bpf_xdp_load_bytes/store_bytes across fragments.
+ *    with bpf_xdp_load_bytes/store_bytes across fragments.  Such a frame is
+ *    never shrunk (bpf_xdp_adjust_tail releasing fragments corrupts memory
+ *    on veth): its ACK/PENDING keeps the contribution's bytes as a trailer
+ *    behind the datagram, which tc_agg_result cuts from the skb.
  *  - Configuration (const volatile, set before load): cfg_job_id, cfg_port
  *    (host order), cfg_my_rank (src_rank of answers), cfg_chunk_bytes (the
  *    job's chunk size C, <= KCCL_AGG_MAX_PAYLOAD, every contributor uses it),

@@ -139,6 +139,7 @@ enum kccl_agg_stat {
 	KCCL_AS_RECEIPTS,	/* KCCL_T_AGG_RECEIPT packets taken */
 	KCCL_AS_SWEPT,		/* ACTIVE slots freed by kccl_agg_sweep */
 	KCCL_AS_STALE,		/* contribution its sender proved it has the answer of: dropped */
+	KCCL_AS_TRIMMED,	/* tc_agg_result: answers cut to their datagram */
 	KCCL_AS_NR,
 };
 

@@ -30,7 +30,8 @@ static __always_inline void csum_replace2(__u16 *sum, __u16 old, __u16 new)
  * is trimmed), RESULT (out_len bytes, already written into the payload in
  * place: word NULL) or PENDING (out_len 8: *word becomes the payload).
  * Works on multi-buffer frames: lengths from bpf_xdp_get_buff_len, the
- * headers are in the linear part.
+ * headers are in the linear part, and such a frame keeps its length (its
+ * bytes past the answer are a trailer; see below).
  * Addresses and ports swapped, UDP checksum 0, lengths and IP checksum fixed.
  * Returns XDP_PASS, or XDP_DROP if the frame could not be rebuilt.
  */
@@ -54,9 +55,20 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 	ihl_len = ip->ihl * 4;
 	want = sizeof(*eth) + ihl_len + KCCL_ANSWER_FIXED_LEN + out_len;
 	have = bpf_xdp_get_buff_len(ctx);
-	if (want != have) {
-		/* ACK/PENDING: trim the payload (and any trailer after the
-		 * datagram); a PENDING for a 4-byte chunk grows by 4 bytes. */
+	if (have > (__u32)(end - data)) {
+		/* Multi-buffer: never release fragments.  Shrinking such a
+		 * frame (bpf_xdp_adjust_tail) frees page_pool pages as
+		 * ordinary pages on veth and corrupts the kernel's memory
+		 * (docs/KERNELS.md).  The headers below describe the answer;
+		 * the rest of the contribution stays behind the datagram as a
+		 * trailer, which tc_agg_result cuts off the skb
+		 * (bpf_skb_change_tail) and the IP stack ignores. */
+		if (want > have)
+			return XDP_DROP;
+	} else if (want != have) {
+		/* Single buffer: ACK/PENDING trims the payload (and any
+		 * trailer after the datagram); a PENDING for a 4-byte chunk
+		 * grows by 4 bytes. */
 		if (bpf_xdp_adjust_tail(ctx, (int)want - (int)have))
 			return XDP_DROP;
 		data = (void *)(long)ctx->data;

@@ -261,8 +261,20 @@ impl Contrib {
     }
 
     /// The answer xdp_agg must make of this contribution: addresses swapped,
-    /// UDP checksum 0, kccl header rewritten, `payload` after it.
+    /// UDP checksum 0, kccl header rewritten, `payload` after it.  A
+    /// multi-buffer contribution keeps its length (xdp_agg never releases
+    /// fragments): its bytes past the answer's datagram stay as a trailer.
     fn answer(&self, msg_type: u8, overflow: bool, dst_mask: u64, payload: Vec<u8>) -> Vec<u8> {
+        let mut out = self.answer_datagram(msg_type, overflow, dst_mask, payload);
+        let input = self.build();
+        if is_multi_buffer(&input) && input.len() > out.len() {
+            out.extend_from_slice(&input[out.len()..]);
+        }
+        out
+    }
+
+    /// The answer's frame alone, as it leaves tc_agg_result (no trailer).
+    fn answer_datagram(&self, msg_type: u8, overflow: bool, dst_mask: u64, payload: Vec<u8>) -> Vec<u8> {
         let mut h = self.header();
         h.msg_type = msg_type;
         h.flags = F_FANOUT | (self.flags & F_LAST_FRAG) | if overflow { F_OVERFLOW } else { 0 };
@@ -1646,9 +1658,18 @@ fn diff(want: &[u8], got: &[u8]) -> String {
     )
 }
 
+/// What BPF_PROG_TEST_RUN puts in an XDP frame's linear part (a page less
+/// headroom and skb_shared_info); longer inputs become multi-buffer frames.
+const TEST_RUN_LINEAR: usize = 3520;
+
+fn is_multi_buffer(frame: &[u8]) -> bool {
+    frame.len() > TEST_RUN_LINEAR
+}
+
 /// The IPv4 header checksum of an Ethernet/IPv4 frame verifies, tot_len and
-/// the UDP length match the frame, the UDP checksum is 0.
-fn verify_answer(f: &[u8]) -> Result<(), String> {
+/// the UDP length match the frame (or, with `trailer_ok`, the frame's start),
+/// the UDP checksum is 0.
+fn verify_answer(f: &[u8], trailer_ok: bool) -> Result<(), String> {
     if f.len() < 34 {
         return Err("runt".into());
     }
@@ -1657,10 +1678,10 @@ fn verify_answer(f: &[u8]) -> Result<(), String> {
         return Err("bad IPv4 header checksum".into());
     }
     let tot = usize::from(u16::from_be_bytes([f[16], f[17]]));
-    if 14 + tot != f.len() {
+    if 14 + tot != f.len() && !(trailer_ok && 14 + tot < f.len()) {
         return Err(format!("IPv4 tot_len {tot} for a {}-byte frame", f.len()));
     }
-    let u = &f[14 + ihl..];
+    let u = &f[14 + ihl..14 + tot];
     if usize::from(u16::from_be_bytes([u[4], u[5]])) != u.len() || u[6] != 0 || u[7] != 0 {
         return Err("UDP length or checksum wrong".into());
     }
@@ -1740,16 +1761,26 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
                     };
                     errs.push(format!("step {i}: verdict {} (want {})", name(v), name(*verdict)));
                 }
+                // Releasing an XDP frame's fragments corrupts memory on
+                // veth (docs/KERNELS.md): no multi-buffer frame may shrink.
+                if v == XDP_PASS && is_multi_buffer(input) && out.len() != input.len() {
+                    errs.push(format!(
+                        "step {i}: multi-buffer frame of {} bytes left as {} bytes (fragments released)",
+                        input.len(),
+                        out.len()
+                    ));
+                }
                 if let Some(want) = output {
                     let d = diff(want, &out);
                     if !d.is_empty() {
                         errs.push(format!("step {i}: output {d}"));
                     }
                     if want != input {
-                        if let Err(err) = verify_answer(&out) {
+                        let trailer_ok = is_multi_buffer(input);
+                        if let Err(err) = verify_answer(&out, trailer_ok) {
                             errs.push(format!("step {i}: answer: {err}"));
                         }
-                        if let Err(err) = verify_answer(want) {
+                        if let Err(err) = verify_answer(want, trailer_ok) {
                             errs.push(format!("step {i}: fixture bug: expected answer: {err}"));
                         }
                     }
@@ -2037,6 +2068,21 @@ fn tc_fixtures() -> Vec<TcFixture> {
         t.push(fan("an xdp_agg RESULT (from rank 2's packet) to ranks 1, 2, 3", input, &[1, 2, 3]));
     }
     {
+        // An answer xdp_agg made from a multi-buffer contribution keeps the
+        // contribution's bytes behind its datagram: cut before the copies.
+        let vals: Vec<i64> = (0..350).collect();
+        let c = Contrib::new(2, 6, SUM, I32, &[1, 2, 3], &vals);
+        let datagram = c.answer_datagram(T_AGG_ACK, false, mask_of(&[1, 2, 3]), vec![]);
+        let mut input = datagram.clone();
+        input.extend_from_slice(&c.build()[datagram.len()..]);
+        assert_eq!(input.len(), datagram.len() + 1400);
+        let mut f =
+            fan("ACK with 1,400 bytes of contribution behind its datagram: cut, then fanned out", datagram, &[1, 2, 3]);
+        f.input = input;
+        f.stats.trimmed = 1;
+        t.push(f);
+    }
+    {
         let mut f = fan(
             "unresolved rank 2: miss event, others served",
             result_of(&[1, 2, 3], T_AGG_RESULT, vals.clone(), F_FANOUT),
@@ -2180,7 +2226,7 @@ fn run_tc_fixture(n: usize, fx: &TcFixture) -> Result<(), Vec<String>> {
         ));
     }
     for c in fx.copies.iter().chain(if fx.verdict == TC_ACT_REDIRECT { Some(&fx.output) } else { None }) {
-        if let Err(e) = verify_answer(c) {
+        if let Err(e) = verify_answer(c, false) {
             errs.push(format!("fixture bug: expected copy: {e}"));
         }
     }
@@ -2232,7 +2278,7 @@ fn reference_helpers() {
     );
     let c = Contrib::new(1, 9, SUM, I32, &[1, 2], &[1, 2]);
     let ack = c.ack(false, 0b110);
-    verify_answer(&ack).expect("ack verifies");
+    verify_answer(&ack, false).expect("ack verifies");
     assert_eq!(ack.len(), 14 + 20 + 8 + 40);
     // Header::decode refuses payload_len 0 with msg_len != 0 (a broadcast
     // rule); an ACK is exactly that, so read the fields directly.

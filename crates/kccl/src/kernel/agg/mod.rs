@@ -403,8 +403,8 @@ mod tests {
         assert_eq!(offset_of!(U, gen), 8);
         assert_eq!(offset_of!(U, acc), 16);
         assert_eq!(size_of::<U>(), 16 + SUB_ELEMS * 8);
-        // enum kccl_agg_stat has KCCL_AS_NR = 26 counters.
-        assert_eq!(AggStats::N, 26);
+        // enum kccl_agg_stat has KCCL_AS_NR = 27 counters.
+        assert_eq!(AggStats::N, 27);
         assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
     }
 

@@ -80,4 +80,7 @@ agg_stats! {
     /// Contributions of a chunk whose answer their sender already proved to
     /// hold (a late copy of a retransmission): dropped, never a new slot.
     stale,
+    /// tc_agg_result: answers made from a multi-buffer contribution, cut to
+    /// their datagram (bpf_skb_change_tail) before the fan-out.
+    trimmed,
 }
