@@ -128,7 +128,9 @@
 const volatile __u32 cfg_job_id = 0;
 const volatile __u16 cfg_port = 0;		/* host order */
 const volatile __u16 cfg_my_rank = 0;
-const volatile __u32 cfg_chunk_bytes = 1432;
+/* The job's chunk (crates/kccl/src/chunk.rs derives it from the group's
+ * MTU); the loader always sets it.  0: not configured, nothing aggregated. */
+const volatile __u32 cfg_chunk_bytes = 0;
 const volatile __u32 cfg_nslots = 1024;	/* == max_entries of agg_slots */
 const volatile __u64 cfg_slot_timeout_ns = 2000000000ULL;
 const volatile __u64 cfg_wakeup_bytes = 1 << 20;
@@ -477,6 +479,8 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	__u16 flags;
 	bool ovf;
 
+	if (!cfg_chunk_bytes)
+		return XDP_PASS;
 	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
 		goto pass;
 	ip = (void *)(eth + 1);

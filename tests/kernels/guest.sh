@@ -47,10 +47,8 @@ done
 
 kccl=$(bin kccl_cli)
 for mtu in $mtus; do
-  mtu_args=()
-  [ "$mtu" = 1500 ] || mtu_args=(--mtu "$mtu")
   # One small broadcast, reduce and allreduce on both paths, each checked for exactness.
-  step "demo-mtu$mtu" "$kccl" demo --hosts 4 --iters 20 --agg-iters 1 "${mtu_args[@]}"
+  step "demo-mtu$mtu" "$kccl" demo --hosts 4 --iters 20 --agg-iters 1 --mtu "$mtu"
   if [ "$mode" = full ]; then
     for t in "${full_topologies[@]}"; do
       set -- $t

@@ -27,8 +27,9 @@ else
   kernels=${KCCL_VM_KERNELS:-6.12 host 7}
   limit=${KCCL_VM_LIMIT:-10800}
 fi
-# The virtual cluster runs at MTU 1500 today; 9000 and 65000 join once it takes an MTU.
-mtus=${KCCL_VM_MTUS:-1500}
+# Ethernet, jumbo frames, and loopback-sized links (chunks of 1432, 8928 and 64928 bytes:
+# single-buffer frames, then multi-buffer ones of 3 and 16 fragments).
+mtus=${KCCL_VM_MTUS:-1500 9000 65000}
 out=target/kernel-matrix
 mkdir -p "$out"
 

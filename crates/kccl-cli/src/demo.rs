@@ -32,6 +32,10 @@ pub struct DemoArgs {
     /// Timed reduce and allreduce operations per size and path.
     #[arg(long, default_value_t = 5)]
     agg_iters: usize,
+    /// MTU of the virtual cluster's links (the aggregation chunk follows it);
+    /// default KCCL_CLUSTER_MTU, else 9000.
+    #[arg(long)]
+    mtu: Option<u32>,
     /// Test of the verdict: the first checking rank of every reduce and
     /// allreduce corrupts one element of its result, so they come out wrong.
     #[arg(long, hide = true)]
@@ -64,12 +68,19 @@ pub fn run(a: DemoArgs) -> Result<()> {
     }
 }
 
+/// The virtual cluster of one part of the demo.
+fn spec(a: &DemoArgs, prefix: &str, hosts: usize) -> cluster::ClusterSpec {
+    let mut s = cluster::ClusterSpec::new(&cluster::unique_name(prefix), hosts);
+    s.mtu = a.mtu;
+    s
+}
+
 /// Broadcast on both paths (the kernel path only if the sender could attach
 /// it); records both in `v` and returns whether the kernel path is usable.
 fn broadcast(a: &DemoArgs, receivers: usize, v: &mut Verdict) -> bool {
     let h = if is_root() {
         println!("== broadcast: creating a {}-host virtual cluster", receivers + 1);
-        BcastHarness::new(&cluster::unique_name("demo"), receivers)
+        BcastHarness::on_cluster(&spec(a, "demo", receivers + 1))
     } else {
         BcastHarness::on_group(loopback_group(receivers + 1), None)
     };
@@ -161,12 +172,16 @@ fn aggregate(a: &DemoArgs, senders: usize, kernel: bool, v: &mut Verdict) {
             "== reduce and allreduce: creating a {}-host virtual cluster (host 0 is the root/aggregator)",
             senders + 1
         );
-        AggHarness::new(&cluster::unique_name("demoagg"), senders)
+        AggHarness::on_cluster(&spec(a, "demoagg", senders + 1))
     } else {
         Ok(AggHarness::on_group(loopback_group(senders + 1)))
     };
     let paths: Vec<Path> = if kernel { vec![Path::Kernel, Path::User] } else { vec![Path::User] };
     let cfg = AggConfig { deadline: Duration::from_secs(30), ..AggConfig::default() };
+    if let Ok(h) = &h {
+        let g = h.group();
+        println!("== links of MTU {}: aggregation chunks of {} bytes", g.mtu, g.chunk_bytes);
+    }
     let mut h = match h {
         Ok(h) => h,
         Err(e) => {

@@ -114,6 +114,10 @@ enum ClusterCmd {
         port: u16,
         #[arg(long, default_value_t = 1)]
         job: u32,
+        /// MTU of every link; the group file names it and aggregation
+        /// chunks follow it (default KCCL_CLUSTER_MTU, else 9000).
+        #[arg(long)]
+        mtu: Option<u32>,
     },
     /// Remove everything `cluster up` made for NAME.
     #[command(after_help = "Example: sudo kccl cluster down --name lab")]
@@ -277,12 +281,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
 
 fn cluster_cmd(c: ClusterCmd) -> Result<ExitCode> {
     match c {
-        ClusterCmd::Up { hosts, name, port, job } => {
+        ClusterCmd::Up { hosts, name, port, job, mtu } => {
             let mut spec = ClusterSpec::new(&name, hosts);
             spec.port = port;
             spec.job_id = job;
+            spec.mtu = mtu;
             let c = cluster::up(&spec)?;
-            println!("cluster '{}' is up: {} hosts, group file {}", c.name, c.hosts.len(), c.group_path.display());
+            println!(
+                "cluster '{}' is up: {} hosts, MTU {}, group file {}",
+                c.name,
+                c.hosts.len(),
+                c.group.mtu,
+                c.group_path.display()
+            );
             for h in c.hosts.iter().take(4) {
                 println!("  h{:<3} {:<16} {} ({})", h.index, h.addr, cluster::format_mac(&h.mac), h.netns);
             }

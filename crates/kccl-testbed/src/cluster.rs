@@ -23,6 +23,10 @@
 //! measured traffic, and IPv6 is disabled everywhere so no router
 //! solicitations or DAD packets appear on the wire.
 //!
+//! Every veth (both ends, and so the bridge) has the cluster's MTU
+//! (`ClusterSpec::mtu`: 9000 unless KCCL_CLUSTER_MTU says otherwise), which
+//! the group file names, so aggregation chunks follow it (kccl::chunk).
+//!
 //! The group file of the cluster is kept at `/run/kccl/clusters/<name>/group.toml`.
 
 use std::fs::File;
@@ -49,6 +53,26 @@ pub const STATE_ROOT: &str = "/run/kccl/clusters";
 /// Longest cluster name: keeps "kccl-<name>-h<N>" short enough to read.
 pub const MAX_NAME_LEN: usize = 12;
 
+/// MTU of a cluster's links unless KCCL_CLUSTER_MTU or the spec says
+/// otherwise: jumbo frames, as a training cluster's network has them.
+pub const DEFAULT_MTU: u32 = 9000;
+
+/// The MTU a new cluster gets: KCCL_CLUSTER_MTU if set (the kernel matrix
+/// runs the topology tests per MTU with it), else [`DEFAULT_MTU`].
+pub fn default_mtu() -> Result<u32> {
+    match std::env::var("KCCL_CLUSTER_MTU") {
+        Err(_) => Ok(DEFAULT_MTU),
+        Ok(v) => {
+            v.trim().parse::<u32>().ok().filter(|&m| kccl::chunk::for_mtu(i64::from(m)).is_ok()).ok_or_else(|| {
+                Error::BadSetting {
+                    setting: format!("KCCL_CLUSTER_MTU={v:?}"),
+                    why: format!("want an MTU in [{}, {}]", kccl::chunk::MIN_MTU, kccl::chunk::MAX_MTU),
+                }
+            })
+        }
+    }
+}
+
 /// Host counts `up` accepts.
 pub const MIN_HOSTS: usize = 2;
 pub const MAX_HOSTS: usize = 1000;
@@ -74,11 +98,15 @@ pub struct ClusterSpec {
     pub hosts: usize,
     pub port: u16,
     pub job_id: u32,
+    /// MTU of every link (veth ends, bridge) and the group file's `mtu`;
+    /// None: [`default_mtu`] (KCCL_CLUSTER_MTU, else [`DEFAULT_MTU`]).
+    pub mtu: Option<u32>,
 }
 
 impl ClusterSpec {
+    /// A spec with the default port, job 1 and the default MTU.
     pub fn new(name: &str, hosts: usize) -> Self {
-        ClusterSpec { name: name.to_owned(), hosts, port: DEFAULT_PORT, job_id: 1 }
+        ClusterSpec { name: name.to_owned(), hosts, port: DEFAULT_PORT, job_id: 1, mtu: None }
     }
 }
 
@@ -363,6 +391,13 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
     if spec.port == 0 {
         return Err(cluster_err(name, "port 0 is not a UDP port members can listen on"));
     }
+    let mtu = match spec.mtu {
+        Some(m) => m,
+        None => default_mtu()?,
+    };
+    if let Err(m) = kccl::chunk::for_mtu(i64::from(mtu)) {
+        return Err(cluster_err(name, m));
+    }
     if !is_root() {
         return Err(Error::NotRoot { what: "creating a virtual cluster".into() });
     }
@@ -419,7 +454,7 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
         return Err(cluster_err(name, e.msg));
     }
 
-    let built = build(spec, &sw, hosts, all_ns, &progress);
+    let built = build(spec, mtu, &sw, hosts, all_ns, &progress);
     progress.finish();
     match built {
         Ok(c) => Ok(c),
@@ -434,7 +469,14 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
 }
 
 /// Everything after the namespaces exist; on error the caller runs `down`.
-fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>, progress: &Progress) -> Result<Cluster> {
+fn build(
+    spec: &ClusterSpec,
+    mtu: u32,
+    sw: &str,
+    hosts: Vec<Host>,
+    all_ns: Vec<String>,
+    progress: &Progress,
+) -> Result<Cluster> {
     let name = spec.name.as_str();
 
     // 1. IPv6 off before any interface exists, so none ever gets a
@@ -464,11 +506,12 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>, pr
     for h in &hosts {
         progress.point(format!("h{}", h.index));
         let mut s = format!(
-            "link add {HOST_IFACE} address {mac} type veth peer name h{i} netns {sw}\n\
+            "link add {HOST_IFACE} address {mac} mtu {mtu} type veth peer name h{i} mtu {mtu} netns {sw}\n\
              addr add {addr}/16 dev {HOST_IFACE}\n\
              link set lo up\n\
              link set {HOST_IFACE} up\n",
             mac = format_mac(&h.mac),
+            mtu = mtu,
             i = h.index,
             addr = h.addr,
         );
@@ -539,7 +582,9 @@ fn build(spec: &ClusterSpec, sw: &str, hosts: Vec<Host>, all_ns: Vec<String>, pr
                 netns: Some(h.netns.clone()),
             })
             .collect(),
-    );
+    )
+    .with_mtu(mtu)
+    .map_err(|m| cluster_err(name, m))?;
     let dir = state_dir(name);
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let path = group_path(name);

@@ -5,7 +5,9 @@
 //! job = 1                # job id carried in every kccl header
 //! aggregator = 4         # optional: rank that aggregates allreduce (runs
 //!                        # `kccl aggregator`, contributes nothing)
-//! chunk_bytes = 1432     # optional: aggregation chunk (multiple of 8, 8..=65208; needs MTU >= chunk + 68)
+//! mtu = 9000             # optional: the network's MTU (default 1500); the
+//!                        # aggregation chunk follows from it (src/chunk.rs)
+//! chunk_bytes = 1432     # optional: a smaller chunk (multiple of 8, <= mtu - 68)
 //!
 //! [[member]]
 //! rank = 0
@@ -24,13 +26,11 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::chunk;
 use crate::error::{Error, Result};
 
 /// Highest rank + 1 that the kernel maps hold (bpf/include/kccl_bcast.h).
 pub const MAX_MEMBERS: usize = 4096;
-
-/// Aggregation chunk for a 1500-byte MTU (1500 - IPv4 - UDP - kccl header).
-pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -49,7 +49,11 @@ pub struct Group {
     pub members: Vec<Member>,
     /// The allreduce aggregator rank (`aggregator = <rank>`), if any.
     pub aggregator: Option<u16>,
-    /// Aggregation chunk size in bytes (`chunk_bytes`, default 1432).
+    /// The network's MTU (`mtu`, default 1500): every member's interface
+    /// must carry datagrams this big.
+    pub mtu: u32,
+    /// Aggregation chunk size in bytes: `chunk_bytes` if pinned, else the
+    /// largest the MTU allows (crate::chunk).
     pub chunk_bytes: u32,
 }
 
@@ -59,6 +63,7 @@ struct RawGroup {
     name: Option<String>,
     job: u32,
     aggregator: Option<toml::Spanned<i64>>,
+    mtu: Option<toml::Spanned<i64>>,
     chunk_bytes: Option<toml::Spanned<i64>>,
     #[serde(default)]
     member: Vec<toml::Spanned<RawMember>>,
@@ -152,27 +157,41 @@ impl Group {
                 }
             }
         };
-        let chunk_bytes = match &raw.chunk_bytes {
-            None => DEFAULT_CHUNK_BYTES,
-            Some(c) => {
-                let v = *c.get_ref();
-                check_chunk_bytes(v).map_err(|m| err(Some(line_of(text, c.span().start)), m))?
-            }
-        };
+        let mtu = raw.mtu.as_ref().map_or(i64::from(chunk::DEFAULT_MTU), |m| *m.get_ref());
+        let chunk_bytes = chunk::resolve(mtu, raw.chunk_bytes.as_ref().map(|c| *c.get_ref())).map_err(|m| {
+            // The line of the key the message is about.
+            let key = if m.starts_with("`mtu`") { raw.mtu.as_ref() } else { raw.chunk_bytes.as_ref() };
+            err(key.map(|k| line_of(text, k.span().start)), m)
+        })?;
         Ok(Group {
             name: raw.name.unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into()).unwrap_or_default()),
             job_id: raw.job,
             members: by_rank.into_values().map(|(_, m)| m).collect(),
             aggregator,
+            mtu: mtu as u32,
             chunk_bytes,
         })
     }
 
     /// A group with the default aggregation settings (no aggregator rank,
-    /// 1432-byte chunks).
+    /// a 1500-byte MTU and its 1432-byte chunks).
     pub fn new(name: &str, job_id: u32, mut members: Vec<Member>) -> Group {
         members.sort_by_key(|m| m.rank);
-        Group { name: name.to_owned(), job_id, members, aggregator: None, chunk_bytes: DEFAULT_CHUNK_BYTES }
+        Group {
+            name: name.to_owned(),
+            job_id,
+            members,
+            aggregator: None,
+            mtu: chunk::DEFAULT_MTU,
+            chunk_bytes: chunk::DEFAULT_CHUNK_BYTES,
+        }
+    }
+
+    /// The same group on a network of `mtu` bytes, its chunk following.
+    pub fn with_mtu(mut self, mtu: u32) -> std::result::Result<Group, String> {
+        self.chunk_bytes = chunk::for_mtu(i64::from(mtu))?;
+        self.mtu = mtu;
+        Ok(self)
     }
 
     pub fn member(&self, rank: u32) -> Result<&Member> {
@@ -236,7 +255,10 @@ impl Group {
         if let Some(a) = self.aggregator {
             let _ = writeln!(s, "aggregator = {a}");
         }
-        let _ = writeln!(s, "chunk_bytes = {}", self.chunk_bytes);
+        let _ = writeln!(s, "mtu = {}", self.mtu);
+        if chunk::for_mtu(i64::from(self.mtu)) != Ok(self.chunk_bytes) {
+            let _ = writeln!(s, "chunk_bytes = {}", self.chunk_bytes);
+        }
         for m in &self.members {
             let _ = write!(
                 s,
@@ -253,19 +275,6 @@ impl Group {
     pub fn save(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.to_toml()).map_err(|e| Error::io(format!("writing group file {}", path.display()), e))
     }
-}
-
-/// A chunk size the kernel can aggregate: whole int64 elements and one
-/// packet of at most KCCL_AGG_MAX_PAYLOAD bytes.
-pub fn check_chunk_bytes(v: i64) -> std::result::Result<u32, String> {
-    let max = crate::wire::AGG_MAX_PAYLOAD as i64;
-    if !(8..=max).contains(&v) || v % 8 != 0 {
-        return Err(format!(
-            "`chunk_bytes`: {v} must be a multiple of 8 in [8, {max}] (the MTU less 68: 1432 for a 1500-byte MTU, \
-             8928 for 9000, {max} for 65535 or more)"
-        ));
-    }
-    Ok(v as u32)
 }
 
 fn line_of(text: &str, byte: usize) -> usize {
@@ -361,8 +370,8 @@ netns = "h1"
     #[test]
     fn aggregation_keys() {
         let g = p(GOOD).expect("valid");
-        assert_eq!((g.aggregator, g.chunk_bytes), (None, DEFAULT_CHUNK_BYTES));
-        let t = GOOD.replace("job = 7\n", "job = 7\naggregator = 1\nchunk_bytes = 3432\n");
+        assert_eq!((g.aggregator, g.mtu, g.chunk_bytes), (None, 1500, chunk::DEFAULT_CHUNK_BYTES));
+        let t = GOOD.replace("job = 7\n", "job = 7\naggregator = 1\nmtu = 4000\nchunk_bytes = 3432\n");
         let g = p(&t).expect("valid");
         assert_eq!((g.aggregator, g.chunk_bytes), (Some(1), 3432));
         assert_eq!(p(&g.to_toml()).expect("round trip"), g);
@@ -372,14 +381,27 @@ netns = "h1"
         assert!(e.contains("`aggregator`") && e.contains("-1"), "{e}");
         let e = err_text(&GOOD.replace("job = 7\n", "job = 7\naggregator = \"x\"\n"));
         assert!(e.contains("aggregator") && e.contains("line 3"), "{e}");
-        for bad in ["0", "4", "12", "65216", "1433", "-8"] {
+        for bad in ["0", "4", "12", "65216", "1433", "-8", "8928"] {
             let e = err_text(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {bad}\n")));
             assert!(e.contains("line 3") && e.contains("`chunk_bytes`") && e.contains(bad), "{bad}: {e}");
         }
-        for good in ["8", "1432", "3432", "8928", "65208"] {
+        for good in ["8", "1432"] {
             let g = p(&GOOD.replace("job = 7\n", &format!("job = 7\nchunk_bytes = {good}\n"))).expect(good);
             assert_eq!(g.chunk_bytes.to_string(), good);
         }
+        // The chunk follows the MTU; a pin may only be smaller.
+        for (mtu, pin, want) in [(9000, None, 8928), (65535, None, 65208), (9000, Some(3432), 3432)] {
+            let pin = pin.map(|c| format!("chunk_bytes = {c}\n")).unwrap_or_default();
+            let g = p(&GOOD.replace("job = 7\n", &format!("job = 7\nmtu = {mtu}\n{pin}"))).expect("valid");
+            assert_eq!((g.mtu, g.chunk_bytes), (mtu, want));
+            assert_eq!(p(&g.to_toml()).expect("round trip"), g);
+        }
+        for bad in ["100", "65536", "\"jumbo\""] {
+            let e = err_text(&GOOD.replace("job = 7\n", &format!("job = 7\nmtu = {bad}\n")));
+            assert!(e.contains("line 3") && e.contains("mtu"), "{bad}: {e}");
+        }
+        let e = err_text(&GOOD.replace("job = 7\n", "job = 7\nmtu = 9000\nchunk_bytes = 9000\n"));
+        assert!(e.contains("line 4") && e.contains("`chunk_bytes`"), "{e}");
     }
 
     #[test]

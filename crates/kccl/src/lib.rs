@@ -16,6 +16,7 @@
 
 pub mod agg;
 pub mod bcast;
+pub mod chunk;
 pub mod error;
 pub mod fault;
 pub mod group;

@@ -329,7 +329,12 @@ pub struct AggHarness {
 
 impl AggHarness {
     pub fn new(name: &str, senders: usize) -> Result<AggHarness> {
-        let guard = ClusterGuard::up(&ClusterSpec::new(name, senders + 1))?;
+        AggHarness::on_cluster(&ClusterSpec::new(name, senders + 1))
+    }
+
+    /// Creates the cluster `spec` describes (host 0 aggregates).
+    pub fn on_cluster(spec: &ClusterSpec) -> Result<AggHarness> {
+        let guard = ClusterGuard::up(spec)?;
         let group = guard.cluster.group.clone();
         Ok(AggHarness { guard: Some(guard), group, corrupt_results: false })
     }

@@ -92,7 +92,12 @@ pub struct BcastHarness {
 impl BcastHarness {
     /// Creates a cluster of `receivers + 1` hosts named `name`.
     pub fn new(name: &str, receivers: usize) -> Result<BcastHarness> {
-        let guard = ClusterGuard::up(&ClusterSpec::new(name, receivers + 1))?;
+        BcastHarness::on_cluster(&ClusterSpec::new(name, receivers + 1))
+    }
+
+    /// Creates the cluster `spec` describes (host 0 sends).
+    pub fn on_cluster(spec: &ClusterSpec) -> Result<BcastHarness> {
+        let guard = ClusterGuard::up(spec)?;
         let group = guard.cluster.group.clone();
         BcastHarness::on_group(group, Some(guard))
     }

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
+use crate::chunk;
 use crate::error::{Error, Result};
-use crate::group::{check_chunk_bytes, Group, Member};
+use crate::group::{Group, Member};
 use crate::netns;
-use crate::wire::HDR_LEN;
 
 use super::config::AggConfig;
 use super::kernel_backend;
@@ -153,18 +153,7 @@ pub(super) fn kernel_backend(
 
 /// Checks the configuration against the group; returns the chunk size.
 pub(super) fn resolve_config(group: &Group, me: &Member, cfg: &AggConfig) -> Result<usize> {
-    let chunk = match cfg.chunk_bytes {
-        None => group.chunk_bytes,
-        Some(c) => check_chunk_bytes(i64::from(c)).map_err(|m| Error::Usage(format!("AggConfig: {m}")))?,
-    };
-    if cfg.chunk_bytes.is_some_and(|c| c != group.chunk_bytes) {
-        return Err(Error::Usage(format!(
-            "AggConfig.chunk_bytes {} differs from the group file's chunk_bytes {}: every member and the \
-             aggregator must use the same chunk size (set it in the group file)",
-            cfg.chunk_bytes.unwrap_or_default(),
-            group.chunk_bytes
-        )));
-    }
+    let chunk = group.chunk_bytes;
     let nslots = cfg.nslots.next_power_of_two();
     if cfg.window == 0 || cfg.window >= nslots {
         return Err(Error::Usage(format!(
@@ -180,13 +169,12 @@ pub(super) fn resolve_config(group: &Group, me: &Member, cfg: &AggConfig) -> Res
         )));
     }
     if let Some(mtu) = netns::mtu(&me.iface) {
-        if chunk as usize + 20 + 8 + HDR_LEN > mtu {
+        let need = chunk::mtu_needed(chunk) as usize;
+        if need > mtu {
             return Err(Error::Usage(format!(
-                "chunk_bytes {chunk} needs an MTU of at least {} but {} has {mtu}: lower chunk_bytes in the group \
-                 file to {} or raise the MTU",
-                chunk as usize + 20 + 8 + HDR_LEN,
-                me.iface,
-                mtu.saturating_sub(20 + 8 + HDR_LEN) / 8 * 8
+                "the group's chunks of {chunk} bytes (its `mtu` {}) need an MTU of at least {need} but {} has \
+                 {mtu}: set `mtu = {mtu}` in the group file or raise the interface's MTU",
+                group.mtu, me.iface
             )));
         }
     }

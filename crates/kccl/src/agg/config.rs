@@ -7,14 +7,11 @@ use super::member::ContribStats;
 use super::op::Quant;
 use super::user::AggStats;
 
-/// Tuning of one member or aggregator.  Every member of a job must use the
-/// same chunk size (the group file's), and `window` must stay below the
-/// aggregator's `nslots`.
+/// Tuning of one member or aggregator.  The chunk size is not here: it is
+/// the group file's (its `mtu`, crate::chunk), the same for every member.
+/// `window` must stay below the aggregator's `nslots`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AggConfig {
-    /// Chunk bytes; None: the group file's `chunk_bytes` (default 1432, for
-    /// an MTU of 1500).
-    pub chunk_bytes: Option<u32>,
     /// Span of chunks a contributor may have sent above its lowest
     /// unanswered one (the slot-reuse proof's W; also the largest
     /// congestion window, which bounds the chunks in flight).
@@ -38,7 +35,6 @@ pub struct AggConfig {
 impl Default for AggConfig {
     fn default() -> Self {
         AggConfig {
-            chunk_bytes: None,
             window: 256,
             rto: Duration::from_millis(25),
             deadline: Duration::from_secs(10),

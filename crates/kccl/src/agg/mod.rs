@@ -328,10 +328,9 @@ mod tests {
         assert_eq!(resolve_config(&grp, &me, &AggConfig::default()).expect("defaults"), 1432);
         let bad = AggConfig { window: 1024, ..AggConfig::default() };
         assert!(resolve_config(&grp, &me, &bad).expect_err("window").to_string().contains("nslots"));
-        let bad = AggConfig { chunk_bytes: Some(1000), ..AggConfig::default() };
-        assert!(resolve_config(&grp, &me, &bad).is_err());
-        let bad = AggConfig { chunk_bytes: Some(1001), ..AggConfig::default() };
-        assert!(resolve_config(&grp, &me, &bad).expect_err("odd").to_string().contains("multiple of 8"));
+        // The chunk is the group's, following its MTU.
+        let big = grp.clone().with_mtu(9000).expect("mtu");
+        assert_eq!(resolve_config(&big, &me, &AggConfig::default()).expect("9000"), 8928);
     }
 
     /// Members on 127.0.0.1 with their own ports: the whole API without

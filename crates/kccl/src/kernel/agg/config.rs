@@ -13,15 +13,11 @@ use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot, kccl_agg_sub};
 pub const SUB_BYTES: u32 = crate::wire::AGG_SUB_BYTES as u32;
 /// Accumulators of one sub-block (KCCL_AGG_SUB_ELEMS).
 pub const SUB_ELEMS: usize = SUB_BYTES as usize / 4;
-/// Largest chunk payload the kernel aggregates (KCCL_AGG_MAX_PAYLOAD): 19
-/// sub-blocks, one IPv4 datagram.
-pub const MAX_CHUNK_BYTES: u32 = crate::wire::AGG_MAX_PAYLOAD as u32;
+pub use crate::chunk::MAX_CHUNK_BYTES;
 /// Values of the largest record (KCCL_AGG_MAX_ELEMS).
 pub const MAX_ELEMS: usize = MAX_CHUNK_BYTES as usize / 4;
 /// Bytes of a ring buffer record before the values (KCCL_AGG_RECORD_HDR_LEN).
 pub const RECORD_HDR_LEN: usize = 32;
-/// Default chunk size: a 1500-byte MTU (1500 - 20 - 8 - 40).
-pub const DEFAULT_CHUNK_BYTES: u32 = 1432;
 /// Largest slot count [`AggEngine::load`] accepts (a slot is 80 bytes plus
 /// ~6.9 KiB per sub-block of its chunk).
 pub const MAX_SLOTS: u32 = 1 << 14;
@@ -70,14 +66,14 @@ pub struct AggEngineConfig {
 }
 
 impl AggEngineConfig {
-    /// Defaults: chunk 1432 bytes, 1024 slots, 2 s slot timeout, 64 MiB ring,
+    /// Defaults: the chunk of a 1500-byte MTU (1432 bytes), 1024 slots, 2 s slot timeout, 64 MiB ring,
     /// wake-up after 1 MiB.
     pub fn new(job_id: u32, port: u16, my_rank: u16) -> Self {
         AggEngineConfig {
             job_id,
             port,
             my_rank,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            chunk_bytes: crate::chunk::DEFAULT_CHUNK_BYTES,
             nslots: 1024,
             slot_timeout: Duration::from_secs(2),
             ring_bytes: 64 << 20,
@@ -94,14 +90,8 @@ impl AggEngineConfig {
         if usize::from(self.my_rank) >= MAX_MEMBERS {
             return bad("my_rank", format!("{} is outside 0..{}", self.my_rank, MAX_MEMBERS - 1));
         }
-        if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_BYTES || self.chunk_bytes % 8 != 0 {
-            return bad(
-                "chunk_bytes",
-                format!(
-                    "{} must be a multiple of 8 (whole int32 and int64 elements) between 8 and {MAX_CHUNK_BYTES}",
-                    self.chunk_bytes
-                ),
-            );
+        if let Err(m) = crate::chunk::check(i64::from(self.chunk_bytes)) {
+            return bad("chunk_bytes", m);
         }
         if !self.nslots.is_power_of_two() || self.nslots > MAX_SLOTS {
             return bad("nslots", format!("{} must be a power of two between 1 and {MAX_SLOTS}", self.nslots));

@@ -19,8 +19,8 @@ mod stats;
 use record::{parse_record_header, parse_values, RecordQueue};
 
 pub use config::{
-    subs_per_slot, AggEngineConfig, XdpMode, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS,
-    RECORD_HDR_LEN, SUB_BYTES, SUB_ELEMS,
+    subs_per_slot, AggEngineConfig, XdpMode, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN, SUB_BYTES,
+    SUB_ELEMS,
 };
 pub use record::{dtype_size, AggRecordView};
 pub use slots::{SlotInfo, SlotState, SlotSummary};
