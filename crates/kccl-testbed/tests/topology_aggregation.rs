@@ -584,7 +584,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize])
         datas.push(gen(case, i, n));
         for (&rank, (g, _)) in &got {
             if rank == n {
-                bad.extend(check(case, i, &datas, n as usize, false, 1432, &g[i]));
+                bad.extend(check(case, i, &datas, n as usize, false, rg.chunk_bytes as usize, &g[i]));
             } else if !matches!(g[i], Got::Sent) {
                 bad.push(format!("reduce case {i}: contributor {rank} got {:?}", g[i]));
             }
@@ -613,7 +613,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize])
     for (i, case) in cases.iter().enumerate() {
         let datas: Vec<Data> = senders_v.iter().map(|&r| gen(case, i, r)).collect();
         for (rank, (g, _)) in &got {
-            for p in check(case, i, &datas, n as usize, true, 1432, &g[i]) {
+            for p in check(case, i, &datas, n as usize, true, ag.chunk_bytes as usize, &g[i]) {
                 bad.push(format!("rank {rank}: {p}"));
             }
         }
@@ -770,7 +770,7 @@ fn root_behind_contributors(test: &str, paths: Paths) {
         datas.push(gen(case, i, n));
         for (&rank, (g, _, _)) in &got {
             if rank == n {
-                bad.extend(check(case, i, &datas, n as usize, false, 1432, &g[i]));
+                bad.extend(check(case, i, &datas, n as usize, false, rg.chunk_bytes as usize, &g[i]));
             } else if !matches!(g[i], Got::Sent) {
                 bad.push(format!("case {i}: contributor {rank} got {:?}", g[i]));
             }
@@ -813,7 +813,10 @@ fn large_float_sum(test: &str, paths: Paths) {
     let got = run_members(&topo, &rg, &[0, 1, 2], paths, &cases, Some(2), Duration::from_millis(200));
     let dt = t.elapsed();
     let datas = [gen(&cases[0], 0, 0), gen(&cases[0], 0, 1), gen(&cases[0], 0, 2)];
-    assert_clean(&format!("{test}: reduce"), check(&cases[0], 0, &datas, 2, false, 1432, &got[&2].0[0]));
+    assert_clean(
+        &format!("{test}: reduce"),
+        check(&cases[0], 0, &datas, 2, false, rg.chunk_bytes as usize, &got[&2].0[0]),
+    );
     let s = got[&0].1.contrib;
     println!(
         "{test}: reduce of {LEN} f32 from 2 senders in {dt:?} ({:.0} MB/s per sender; sender 0: {} chunks, {} datagrams, \
@@ -833,7 +836,10 @@ fn large_float_sum(test: &str, paths: Paths) {
     let dt = t.elapsed();
     let AggOutcome { user: astats, kernel, .. } = agg.finish();
     for (rank, (g, _)) in &got {
-        assert_clean(&format!("{test}: allreduce rank {rank}"), check(&cases[0], 0, &datas[..2], 2, true, 1432, &g[0]));
+        assert_clean(
+            &format!("{test}: allreduce rank {rank}"),
+            check(&cases[0], 0, &datas[..2], 2, true, ag.chunk_bytes as usize, &g[0]),
+        );
     }
     println!(
         "{test}: allreduce of {LEN} f32 over 2 senders in {dt:?} ({:.0} MB/s per sender; aggregator: {} pkts, dup {}, \

@@ -483,7 +483,8 @@ fn broadcast_to_all(test: &str, prefix: &str, receivers: usize, choice: PathChoi
                 assert!(b.fanout().is_some_and(|f| f.is_attached()), "kernel path without an attached tc_bcast");
             }
         }
-        assert_eq!(b.payload_per_packet(), 1432, "veth MTU 1500 leaves 1432 message bytes per packet");
+        let mtu = group.mtu as usize;
+        assert_eq!(b.payload_per_packet(), mtu - 68, "veth MTU {mtu} leaves {} message bytes per packet", mtu - 68);
         msgs.iter().map(|m| send(&mut b, m, &dests)).collect::<Vec<_>>()
     });
     let got = rs.end();
