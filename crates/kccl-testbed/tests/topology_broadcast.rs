@@ -812,7 +812,8 @@ fn f_interop_plain_python_udp_receiver() {
     let ready = scratch.0.join("ready");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/interop/plain_udp_receiver.py");
     let py = group.member(1).expect("member").clone();
-    let data = pattern(2 * 1432 + 500, 77);
+    // Three fragments at the cluster's MTU (68 bytes of headers each).
+    let data = pattern(2 * (group.mtu as usize - 68) + 500, 77);
     let argv: Vec<String> = vec![
         "python3".into(),
         script.into(),
