@@ -62,9 +62,13 @@ fn base_seed() -> u64 {
     })
 }
 
-/// Single packets, packet boundaries and multi-packet messages up to 1 MiB.
-fn messages(salt: u64) -> Vec<Vec<u8>> {
-    [1usize, 1432, 1433, 20_000, 300_000, 1 << 20]
+/// Single packets, packet boundaries and multi-packet messages up to ~733
+/// packets (1 MiB at MTU 1500).  Sizes scale with the payload per packet of
+/// the cluster's MTU, so every MTU sends as many packets and sees as many
+/// drops at a given loss rate.
+fn messages(salt: u64, mtu: u32) -> Vec<Vec<u8>> {
+    let p = mtu as usize - 68;
+    [1usize, p, p + 1, 20_000 * p / 1432, 300_000 * p / 1432, (1 << 20) * p / 1432]
         .iter()
         .enumerate()
         .map(|(i, &l)| pattern(l, salt + i as u64))
@@ -253,7 +257,7 @@ fn run_case(test: &str, prefix: &str, case: &Case) {
         let rx = Rx::start(&group, &RECEIVERS, rel);
         let msgs = match case.sizes {
             Some(sz) => sz.iter().enumerate().map(|(i, &l)| pattern(l, s + i as u64)).collect(),
-            None => messages(s),
+            None => messages(s, group.mtu),
         };
         let faults = Faults::install(&at, &cfg);
         let t0 = Instant::now();
