@@ -70,6 +70,72 @@ pub struct AggRecord {
     /// Median time of the root's work on each result inside the timed
     /// operation (agg-gemm's GEMM); None without such work.
     pub root_work_p50_ms: Option<f64>,
+    /// Loss recovery during the timed operations (where time goes that the
+    /// wire does not explain).
+    pub recovery: Recovery,
+}
+
+/// Loss-recovery counters per timed operation: the senders' (summed over
+/// senders) and, on the kernel path, xdp_agg's at the root.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Recovery {
+    /// Contribution datagrams (first sends and retransmissions).
+    pub datagrams: f64,
+    pub retransmits: f64,
+    /// Retransmissions because later chunks were answered.
+    pub fast_retransmits: f64,
+    /// Sender passes in which a chunk timed out.
+    pub stalls: f64,
+    pub window_cuts: f64,
+    /// xdp_agg: results the ring buffer had no room for.
+    pub ring_full: f64,
+    /// xdp_agg: contributions that found their slot held by another chunk.
+    pub busy: f64,
+    /// xdp_agg: contributions waiting for a slot whose answer is not proven held.
+    pub held: f64,
+    /// xdp_agg: contributions already counted (duplicates).
+    pub dup: f64,
+}
+
+/// Counter snapshot of one rank, taken before the first and after the last
+/// timed operation.
+#[derive(Clone, Copy, Default)]
+struct Counters {
+    contrib: kccl::agg::member::ContribStats,
+    kernel: Option<kccl::kernel_agg::AggStats>,
+}
+
+impl Counters {
+    fn take(c: &Collective) -> Result<Counters> {
+        let kernel = c
+            .kernel_stats()
+            .map_err(|e| Error::Host { what: "reading xdp_agg's counters".into(), detail: e.to_string() })?;
+        Ok(Counters { contrib: c.stats().contrib, kernel })
+    }
+}
+
+impl Recovery {
+    /// Sums the (before, after) snapshots of every rank, per operation.
+    fn from_snapshots(snaps: &[(Counters, Counters)], iters: usize) -> Recovery {
+        let n = iters.max(1) as f64;
+        let mut r = Recovery::default();
+        for (b, a) in snaps {
+            let (cb, ca) = (&b.contrib, &a.contrib);
+            r.datagrams += (ca.datagrams - cb.datagrams) as f64 / n;
+            r.retransmits += (ca.retransmits - cb.retransmits) as f64 / n;
+            r.fast_retransmits += (ca.fast_retransmits - cb.fast_retransmits) as f64 / n;
+            r.stalls += (ca.stalls - cb.stalls) as f64 / n;
+            r.window_cuts += (ca.window_cuts - cb.window_cuts) as f64 / n;
+            if let (Some(kb), Some(ka)) = (&b.kernel, &a.kernel) {
+                let d = ka.delta(kb);
+                r.ring_full += d.ring_full as f64 / n;
+                r.busy += d.busy as f64 / n;
+                r.held += d.held as f64 / n;
+                r.dup += d.dup as f64 / n;
+            }
+        }
+        r
+    }
 }
 
 /// One row of `kccl bench cpu`.
@@ -433,6 +499,7 @@ impl AggHarness {
         let work_times: Mutex<Vec<f64>> = Mutex::new(Vec::new());
         let path_used: Mutex<Option<Path>> = Mutex::new(None);
         let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
+        let snapshots: Mutex<Vec<(Counters, Counters)>> = Mutex::new(Vec::new());
         // Calls the other ranks finished: a reduce root keeps answering
         // retransmissions (an ACK lost in the fan-out) until every one of
         // an iteration returned, before it waits at the barrier (on the user
@@ -480,8 +547,8 @@ impl AggHarness {
             };
             let mut handles = Vec::new();
             for &rank in &runners {
-                let (sub, barrier, times, work_times, path_used, contributors, finished) =
-                    (&sub, &barrier, &times, &work_times, &path_used, &contributors, &finished);
+                let (sub, barrier, times, work_times, path_used, contributors, finished, snapshots) =
+                    (&sub, &barrier, &times, &work_times, &path_used, &contributors, &finished, &snapshots);
                 handles.push(s.spawn(move || -> Result<()> {
                     guarded(barrier, || {
                         enter_host(sub, rank)?;
@@ -491,7 +558,11 @@ impl AggHarness {
                         }
                         let chunk = c.chunk_bytes();
                         let data = T::data(rank, elems);
+                        let mut before = Counters::default();
                         for it in 0..=iters {
+                            if it == 1 {
+                                before = Counters::take(&c)?;
+                            }
                             barrier.wait()?;
                             let c0 = thread_cpu_time();
                             let t0 = Instant::now();
@@ -529,6 +600,9 @@ impl AggHarness {
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
                             }
+                        }
+                        if iters > 0 {
+                            snapshots.lock().map_err(|_| poisoned())?.push((before, Counters::take(&c)?));
                         }
                         Ok(())
                     })
@@ -595,6 +669,7 @@ impl AggHarness {
                 w.sort_by(f64::total_cmp);
                 (!w.is_empty()).then(|| percentile(&w, 50.0))
             },
+            recovery: Recovery::from_snapshots(&snapshots.into_inner().map_err(|_| poisoned())?, iters),
         })
     }
 }
@@ -645,6 +720,19 @@ pub fn print_agg_row(r: &AggRecord) {
         r.p99_ms,
         r.aggregator_cpu_ms,
         r.sender_cpu_ms
+    );
+    let v = &r.recovery;
+    crate::outln!(
+        "            per op: datagrams={:.0} retransmits={:.1} (fast {:.1}) stalls={:.1} window cuts={:.1} | root ring_full={:.1} busy={:.1} held={:.1} dup={:.1}",
+        v.datagrams,
+        v.retransmits,
+        v.fast_retransmits,
+        v.stalls,
+        v.window_cuts,
+        v.ring_full,
+        v.busy,
+        v.held,
+        v.dup
     );
 }
 
@@ -699,6 +787,18 @@ mod tests {
         <f32 as BenchElem>::corrupt(&mut bad[0]);
         assert!(check_f32_sum(Kind::Allreduce, &ranks, &bad, elems, 1, chunk).is_err());
         assert!(check_f32_sum(Kind::Allreduce, &ranks, &bad[..10], elems, 1, chunk).is_err());
+    }
+
+    #[test]
+    fn recovery_sums_ranks_per_operation() {
+        let snap = |datagrams, retransmits, ring_full: Option<u64>| Counters {
+            contrib: kccl::agg::member::ContribStats { datagrams, retransmits, ..Default::default() },
+            kernel: ring_full.map(|ring_full| kccl::kernel_agg::AggStats { ring_full, ..Default::default() }),
+        };
+        // A sender (no engine) and the root (engine counters), 4 operations.
+        let snaps = [(snap(10, 1, None), snap(50, 9, None)), (snap(0, 0, Some(3)), snap(0, 0, Some(11)))];
+        let r = Recovery::from_snapshots(&snaps, 4);
+        assert_eq!((r.datagrams, r.retransmits, r.ring_full), (10.0, 2.0, 2.0));
     }
 
     #[test]
