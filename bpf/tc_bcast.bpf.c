@@ -119,9 +119,9 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	if (h.version != KCCL_VERSION)
 		goto malformed;
 	/* Other kccl packets leaving this host (a receiver's broadcast ACKs,
-	 * aggregation traffic) are unicast: never fanned out, whatever their
-	 * flags say. */
-	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_BCAST_ACK)
+	 * aggregation traffic of every type) are unicast: never fanned out,
+	 * whatever their flags say. */
+	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_AGG_ACKS)
 		goto pass;
 	if (h.type != KCCL_T_BCAST || bpf_ntohs(h.payload_len) != pay_len)
 		goto malformed;

@@ -15,7 +15,9 @@
  * fans it out to the contributors:
  *  - reduce: the slot's record (header + int64 values) goes to the agg_records
  *    ring buffer for the root's runtime, and the packet becomes a payload-less
- *    KCCL_T_AGG_ACK;
+ *    KCCL_T_AGG_ACK, or, when the contribution carries KCCL_F_ACK_LATER
+ *    (kccl's own senders do), is dropped: the root's runtime acknowledges
+ *    the chunks it read, many per KCCL_T_AGG_ACKS datagram;
  *  - allreduce (KCCL_F_ALLREDUCE): the result is written into the packet's
  *    payload in the contributed width (I32/F32Q saturated to int32 with
  *    KCCL_F_OVERFLOW) and it becomes KCCL_T_AGG_RESULT.
@@ -527,7 +529,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	if (h->type != KCCL_T_AGG) {
 		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK ||
 		    h->type == KCCL_T_AGG_PENDING || h->type == KCCL_T_BCAST_ACK ||
-		    h->type == KCCL_T_AGG_SYNC || h->type == KCCL_T_AGG_SYNC_ACK)
+		    h->type == KCCL_T_AGG_SYNC || h->type == KCCL_T_AGG_SYNC_ACK || h->type == KCCL_T_AGG_ACKS)
 			goto pass;
 		goto malformed;
 	}
@@ -663,6 +665,16 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		return XDP_DROP;
 	}
 	stat_add(KCCL_AS_RECORDS, 1);
+	if (flags & KCCL_F_ACK_LATER) {
+		/* The root's runtime answers every contributor once it read
+		 * the record, many chunks per datagram (KCCL_T_AGG_ACKS): no
+		 * answer packet, no TC pass, no fan-out copies per chunk.  A
+		 * retransmission of the chunk still gets an ACK above
+		 * (ACT_ANSWER), so a slow root or a lost KCCL_T_AGG_ACKS costs
+		 * a timeout, never the chunk. */
+		stat_add(KCCL_AS_ACKS_LATER, 1);
+		return XDP_DROP;
+	}
 	stat_add(KCCL_AS_ACKS, 1);
 	return make_answer(ctx, KCCL_T_AGG_ACK, flags, ovf, c.mask, 0, NULL);
 

@@ -140,6 +140,7 @@ enum kccl_agg_stat {
 	KCCL_AS_SWEPT,		/* ACTIVE slots freed by kccl_agg_sweep */
 	KCCL_AS_STALE,		/* contribution its sender proved it has the answer of: dropped */
 	KCCL_AS_TRIMMED,	/* tc_agg_result: answers cut to their datagram */
+	KCCL_AS_ACKS_LATER,	/* reduce chunks recorded without an ACK (KCCL_F_ACK_LATER) */
 	KCCL_AS_NR,
 };
 

@@ -45,7 +45,20 @@ enum kccl_msg_type {
 	 * the call to start at (call * 4): the call after the latest one any
 	 * member's receipt said was finished. */
 	KCCL_T_AGG_SYNC_ACK = 9,
+	/* Reduce root -> one contributor: chunks of operation msg_seq the
+	 * root's runtime has taken (read their records), in one datagram
+	 * instead of an ACK per chunk.  Answers contributions that carried
+	 * KCCL_F_ACK_LATER.  frag_off = byte offset of the chunk of bitmap
+	 * bit 0 (a multiple of the chunk size, below msg_len); payload = the
+	 * bitmap, 1 .. KCCL_AGG_ACKS_MAX_BYTES bytes: bit i (byte i / 8, bit
+	 * i % 8, least significant first) set <=> chunk frag_off / chunk + i
+	 * is taken.  msg_len, agg_op, dtype as in the contributions;
+	 * dst_mask = the contributor's bit. */
+	KCCL_T_AGG_ACKS = 10,
 };
+
+/* Largest KCCL_T_AGG_ACKS bitmap: 8192 chunks, fits a 1500-byte MTU. */
+#define KCCL_AGG_ACKS_MAX_BYTES	1024
 
 /*
  * Aggregation packets reuse the header's fields (AggBox's KEY, SEQ_NUM,
@@ -91,6 +104,11 @@ enum kccl_hdr_flag {
 	/* Contribution the kernel must not aggregate: it passes to the
 	 * aggregator's user-space path (unsupported op/type, overflow redo). */
 	KCCL_F_USER_ONLY = 1 << 4,
+	/* Reduce contribution: the root's runtime acknowledges the chunk with
+	 * KCCL_T_AGG_ACKS once it has read the chunk's record, many chunks per
+	 * datagram; xdp_agg sends no ACK of its own when the chunk completes
+	 * (it still answers a retransmission of a finished chunk). */
+	KCCL_F_ACK_LATER = 1 << 5,
 };
 
 /* One destination mask word covers 64 ranks: [mask_base, mask_base + 64). */

@@ -29,11 +29,20 @@ pub const T_AGG_RECEIPT: u8 = 7;
 pub const T_AGG_SYNC: u8 = 8;
 /// Aggregator -> contributor: msg_seq = the op id of the call to start at.
 pub const T_AGG_SYNC_ACK: u8 = 9;
+/// Reduce root -> contributor: a bitmap of chunks the root's runtime took
+/// (frag_off: the chunk of bit 0; bit i LSB first); answers contributions
+/// with [`F_ACK_LATER`].
+pub const T_AGG_ACKS: u8 = 10;
+/// Largest [`T_AGG_ACKS`] bitmap (KCCL_AGG_ACKS_MAX_BYTES).
+pub const AGG_ACKS_MAX_BYTES: usize = 1024;
 pub const F_FANOUT: u16 = 1 << 0;
 pub const F_LAST_FRAG: u16 = 1 << 1;
 pub const F_ALLREDUCE: u16 = 1 << 2;
 pub const F_OVERFLOW: u16 = 1 << 3;
 pub const F_USER_ONLY: u16 = 1 << 4;
+/// Reduce contribution: answered by the root's runtime with [`T_AGG_ACKS`]
+/// after it read the chunk, not by xdp_agg per chunk.
+pub const F_ACK_LATER: u16 = 1 << 5;
 pub const MASK_BITS: usize = 64;
 // enum kccl_agg_op
 pub const OP_SUM: u8 = 1;
@@ -181,9 +190,9 @@ impl Header {
         let end = h.frag_off as u64 + h.payload_len as u64;
         // An empty fragment only ends an empty message, except an aggregation
         // ACK or RECEIPT, which name a chunk by frag_off/msg_len and carry no
-        // data.  A broadcast ACK's payload is its report, and a PENDING's a
-        // mask, not message bytes.
-        if h.msg_type == T_BCAST_ACK {
+        // data.  A broadcast ACK's payload is its report, a reduce ACKS' a
+        // bitmap of chunks and a PENDING's a mask, not message bytes.
+        if matches!(h.msg_type, T_BCAST_ACK | T_AGG_ACKS) {
             return Ok((h, payload));
         }
         let no_data = matches!(h.msg_type, T_AGG_ACK | T_AGG_RECEIPT | T_AGG_SYNC | T_AGG_SYNC_ACK);
@@ -407,6 +416,8 @@ mod tests {
             ("KCCL_T_AGG_RECEIPT", T_AGG_RECEIPT as i64),
             ("KCCL_T_AGG_SYNC", T_AGG_SYNC as i64),
             ("KCCL_T_AGG_SYNC_ACK", T_AGG_SYNC_ACK as i64),
+            ("KCCL_T_AGG_ACKS", T_AGG_ACKS as i64),
+            ("KCCL_AGG_ACKS_MAX_BYTES", AGG_ACKS_MAX_BYTES as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),
@@ -420,6 +431,7 @@ mod tests {
             ("KCCL_F_ALLREDUCE", F_ALLREDUCE as i64),
             ("KCCL_F_OVERFLOW", F_OVERFLOW as i64),
             ("KCCL_F_USER_ONLY", F_USER_ONLY as i64),
+            ("KCCL_F_ACK_LATER", F_ACK_LATER as i64),
             ("KCCL_MASK_BITS", MASK_BITS as i64),
             ("KCCL_HDR_LEN", HDR_LEN as i64),
         ];

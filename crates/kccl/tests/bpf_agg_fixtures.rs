@@ -44,8 +44,8 @@ use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_PENDING,
-    T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
+    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_ACKS,
+    T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
 };
 
 mod support;
@@ -958,8 +958,9 @@ fn fixtures() -> Vec<Fixture> {
     }
     {
         let mut c = one(&mut ids);
-        c.msg_type = 10;
-        t.push(malformed("type 10", c.build()));
+        // The first type kccl does not define (KCCL_T_AGG_ACKS is the last).
+        c.msg_type = T_AGG_ACKS + 1;
+        t.push(malformed("type 11", c.build()));
     }
     {
         let mut c = one(&mut ids);
@@ -1241,6 +1242,53 @@ fn fixtures() -> Vec<Fixture> {
             frag_off: 0,
             msg_len: 65208,
             payload_len: 65208,
+            agg_op: SUM,
+            dtype: I32,
+            overflow: false,
+            contributors: mask_of(&ranks),
+            values: acc,
+        }];
+        t.push(f);
+    }
+    for e in [Engine::Default, Engine::Chunk65208] {
+        // KCCL_F_ACK_LATER (kccl's own senders): the completing contribution
+        // only becomes the record and is dropped whole, a multi-buffer frame
+        // too (no ACK, no pass to tc_agg_result: the root's runtime
+        // acknowledges the chunks it read, many per datagram).  A
+        // retransmission of the finished chunk is still answered, to its
+        // sender only.
+        let op_id = ids.alloc(e, &[0]);
+        let n = if e == Engine::Default { 5 } else { 65208 / 4 };
+        let vals: Vec<Vec<i64>> = (1..=3).map(|r: i64| (0..n as i64).map(|i| i * 31 - r * 1000).collect()).collect();
+        let c: Vec<Contrib> = ranks
+            .iter()
+            .zip(&vals)
+            .map(|(&r, v)| {
+                let mut c = Contrib::new(r, op_id, SUM, I32, &ranks, v);
+                c.flags |= F_ACK_LATER;
+                c
+            })
+            .collect();
+        let (acc, _) = reduce(SUM, I32, &vals);
+        let mut f = Fixture::new(
+            format!("reduce SUM of {n} x I32 with ACK_LATER: record only, no ACK; a retransmission is answered"),
+            e,
+        );
+        f.drop(&c[0]).drop(&c[1]).drop(&c[2]).pass(&c[1], c[1].ack(false, mask_of(&ranks[1..2])));
+        f.stats = stats(|s| {
+            s.pkts = 3;
+            s.chunks_done = 1;
+            s.records = 1;
+            s.acks_later = 1;
+            s.acks = 1;
+            s.dup_done = 1;
+        });
+        f.slots = vec![(op_id, 0, SlotState::Done, mask_of(&ranks))];
+        f.records = vec![Rec {
+            op_id,
+            frag_off: 0,
+            msg_len: (n * 4) as u32,
+            payload_len: (n * 4) as u16,
             agg_op: SUM,
             dtype: I32,
             overflow: false,
@@ -1577,6 +1625,18 @@ fn fixtures() -> Vec<Fixture> {
         let mut f = Fixture::new("SYNC and SYNC_ACK pass to user space untouched", a);
         f.pass(&q, q.build()).pass(&ans, ans.build());
         f.stats = stats(|s| s.passed = 2);
+        t.push(f);
+    }
+    {
+        // A reduce root's batched acknowledgement reaching a contributor
+        // that runs xdp_agg: user space's, passed untouched.
+        let mut acks = Contrib::receipt(0, 4, 64 * 1432);
+        acks.msg_type = T_AGG_ACKS;
+        acks.frag_off = 2 * 1432;
+        acks.payload = vec![0b1011, 0x80];
+        let mut f = Fixture::new("ACKS (a root's bitmap of taken chunks) passes to user space untouched", a);
+        f.pass(&acks, acks.build());
+        f.stats = stats(|s| s.passed = 1);
         t.push(f);
     }
     {

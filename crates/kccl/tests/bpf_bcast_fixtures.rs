@@ -47,7 +47,10 @@ use kccl::group::Member;
 use kccl::kernel::{BcastFanout, BcastStats, MissEvent, MissReason, CLONE_MARK};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
-use kccl::wire::{BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_BCAST, T_BCAST_ACK, VERSION};
+use kccl::wire::{
+    BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_BCAST,
+    T_BCAST_ACK, VERSION,
+};
 
 mod support;
 use support::{csum_add, csum_fold, inet_csum, our_namespaces, pseudo_sum, run, Capture, NetnsGuard};
@@ -585,6 +588,13 @@ fn fixtures() -> Vec<Fixture> {
             kccl_udp(&h, 1).build(),
             passed(),
         ));
+    }
+    for (ty, name) in [(T_AGG_PENDING, "PENDING"), (T_AGG_RECEIPT, "RECEIPT"), (T_AGG_ACKS, "ACKS")] {
+        // The other aggregation types leaving the host: passed and counted
+        // as such, never malformed.
+        let mut h = header(mask_of(&[1, 2, 3], 0), 0);
+        h.msg_type = ty;
+        t.push(untouched(&format!("type {ty} (aggregation {name}): passed"), kccl_udp(&h, 1).build(), passed()));
     }
 
     // 6b. Broadcast ACKs (KCCL_T_BCAST_ACK): a receiver's answer to the

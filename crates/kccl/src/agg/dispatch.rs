@@ -1,11 +1,11 @@
 //! One receive batch dispatched by role: contributions to the aggregator
-//! backend, answers (ACK, PENDING, RESULT) to the contributor.
+//! backend, answers (ACK, ACKS, PENDING, RESULT) to the contributor.
 
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::sock::{BatchSocket, RecvBatch};
-use crate::wire::{Header, T_AGG, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
+use crate::wire::{Header, T_AGG, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
 
 use super::backend::AggBackend;
 use super::config::CollectiveStats;
@@ -57,12 +57,14 @@ pub(super) fn pump(
                 agg.ingest(&h, p, from, now, sink);
             }
             Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
-            Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_PENDING) => match contrib.as_mut() {
-                Some((c, dec)) => {
-                    c.on_answer(&h, p, from, now, &mut **dec);
+            Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_ACKS | T_AGG_PENDING) => {
+                match contrib.as_mut() {
+                    Some((c, dec)) => {
+                        c.on_answer(&h, p, from, now, &mut **dec);
+                    }
+                    None => stats.contrib.stale_answers += 1,
                 }
-                None => stats.contrib.stale_answers += 1,
-            },
+            }
             _ => stats.other_datagrams += 1,
         }
     }

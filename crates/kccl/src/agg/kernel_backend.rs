@@ -81,10 +81,15 @@ impl KernelBackend {
     pub fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         self.maybe_sweep()?;
         let job = self.job_id;
+        let user = &mut self.user;
         self.engine.poll_records_max(timeout, max, &mut |r| {
             if r.job_id != job {
                 return;
             }
+            // Taken: its contributors learn it with this round's other
+            // chunks (they asked for that with F_ACK_LATER; any that did
+            // not already got xdp_agg's ACK and count this one a duplicate).
+            user.ack_later(r.op_id, r.frag_off, r.msg_len, r.agg_op, r.dtype, r.mask_base, r.contributors);
             sink.deliver(&ChunkDone {
                 op_id: r.op_id,
                 frag_off: r.frag_off,

@@ -56,8 +56,8 @@ use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
 use crate::error::{Error, Result};
 use crate::sock::{BatchSocket, Datagram};
 use crate::wire::{
-    Header, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT,
-    VERSION,
+    Header, AGG_ACKS_MAX_BYTES, F_ACK_LATER, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_ACKS,
+    T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, VERSION,
 };
 
 /// Counters of the contributor role (summed over operations).
@@ -76,8 +76,11 @@ pub struct ContribStats {
     pub send_calls: u64,
     /// Answers that acknowledged a chunk.
     pub answers: u64,
-    /// Answers for a chunk already answered.
+    /// Answers for a chunk already answered (a chunk of a T_AGG_ACKS
+    /// bitmap counts as one answer).
     pub dup_answers: u64,
+    /// T_AGG_ACKS bitmaps taken (each answers many reduce chunks).
+    pub ack_batches: u64,
     /// Answers of an earlier operation.
     pub stale_answers: u64,
     /// Answers from the wrong address/rank/job, of the wrong type or shape.
@@ -106,6 +109,7 @@ impl ContribStats {
         self.send_calls += o.send_calls;
         self.answers += o.answers;
         self.dup_answers += o.dup_answers;
+        self.ack_batches += o.ack_batches;
         self.stale_answers += o.stale_answers;
         self.bad_answers += o.bad_answers;
         self.overflow_chunks += o.overflow_chunks;
@@ -374,8 +378,10 @@ impl<'e> Contributor<'e> {
         let span = (self.lo + w).min(self.nchunks);
         let cw = self.cwnd.chunks().min(w);
         let stride = HDR_LEN + self.spec.chunk;
-        let flags =
-            if self.spec.allreduce { F_ALLREDUCE } else { 0 } | if self.spec.user_only { F_USER_ONLY } else { 0 };
+        // A reduce chunk is acknowledged by the root's runtime once it took
+        // it, many chunks per datagram (T_AGG_ACKS), not per chunk.
+        let flags = if self.spec.allreduce { F_ALLREDUCE } else { F_ACK_LATER }
+            | if self.spec.user_only { F_USER_ONLY } else { 0 };
         while self.next < span && self.next - self.nacked < cw {
             let c = self.next;
             let pos = (c % w) * stride;
@@ -465,6 +471,9 @@ impl<'e> Contributor<'e> {
             self.stats.pending += 1;
             return Verdict::Pending;
         }
+        if h.msg_type == T_AGG_ACKS {
+            return self.on_acks(h, payload, now);
+        }
         let want_type = if s.allreduce { T_AGG_RESULT } else { T_AGG_ACK };
         let off = h.frag_off as usize;
         let c = off / s.chunk;
@@ -483,6 +492,66 @@ impl<'e> Contributor<'e> {
             self.stats.dup_answers += 1;
             return Verdict::Duplicate;
         }
+        let overflow = h.flags & F_OVERFLOW != 0;
+        if overflow {
+            self.overflowed.push(c);
+            self.stats.overflow_chunks += 1;
+        }
+        if s.allreduce {
+            decode(c, payload, overflow);
+        }
+        self.answered(c, now);
+        Verdict::Progress
+    }
+
+    /// A T_AGG_ACKS bitmap (reduce): every chunk it names is answered.
+    /// Checked whole before any bit counts: the operation's shape, a bitmap
+    /// of 1 ..= AGG_ACKS_MAX_BYTES bytes starting at a chunk of the
+    /// message, and no bit beyond the last chunk.
+    fn on_acks(&mut self, h: &Header, bitmap: &[u8], now: Instant) -> Verdict {
+        let s = &self.spec;
+        let off = h.frag_off as usize;
+        let first = off / s.chunk;
+        let bits = bitmap.len() * 8;
+        let beyond = (self.nchunks.saturating_sub(first)..bits).any(|i| bitmap[i / 8] >> (i % 8) & 1 == 1);
+        let ok = !s.allreduce
+            && h.msg_len as usize == self.msg_len
+            && h.agg_op == s.agg_op
+            && h.dtype == self.dtype
+            && h.mask_base == s.mask_base
+            && off % s.chunk == 0
+            && first < self.nchunks
+            && (1..=AGG_ACKS_MAX_BYTES).contains(&bitmap.len())
+            && !beyond;
+        if !ok {
+            self.stats.bad_answers += 1;
+            return Verdict::Bad;
+        }
+        let mut progress = false;
+        for (i, &byte) in bitmap.iter().enumerate() {
+            let mut b = byte;
+            while b != 0 {
+                let c = first + i * 8 + b.trailing_zeros() as usize;
+                b &= b - 1;
+                if self.is_acked(c) {
+                    self.stats.dup_answers += 1;
+                } else {
+                    self.answered(c, now);
+                    progress = true;
+                }
+            }
+        }
+        self.stats.ack_batches += 1;
+        if progress {
+            Verdict::Progress
+        } else {
+            Verdict::Duplicate
+        }
+    }
+
+    /// Chunk `c` (not answered before) is answered: the window, the round
+    /// trip estimate (first transmissions only: Karn) and the timers move.
+    fn answered(&mut self, c: usize, now: Instant) {
         self.acked[c / 64] |= 1 << (c % 64);
         self.nacked += 1;
         let w = self.t.window;
@@ -495,14 +564,6 @@ impl<'e> Contributor<'e> {
             self.srtt = Some(self.srtt.map_or(sample, |s| (s * 7 + sample) / 8));
         }
         self.stats.answers += 1;
-        let overflow = h.flags & F_OVERFLOW != 0;
-        if overflow {
-            self.overflowed.push(c);
-            self.stats.overflow_chunks += 1;
-        }
-        if s.allreduce {
-            decode(c, payload, overflow);
-        }
         while self.lo < self.nchunks && self.is_acked(self.lo) {
             self.lo += 1;
         }
@@ -512,7 +573,6 @@ impl<'e> Contributor<'e> {
         self.missing = None;
         self.cwnd.on_answer(self.t.window);
         self.note_window();
-        Verdict::Progress
     }
 
     fn note_window(&mut self) {
@@ -916,5 +976,54 @@ mod tests {
         assert_eq!(calls, 2);
         assert!(!c.done());
         assert_eq!((c.stats.bad_answers, c.stats.stale_answers, c.stats.dup_answers), (5, 1, 1));
+    }
+
+    #[test]
+    fn ack_bitmaps_are_validated_whole() {
+        let g = group(&free_ports(3));
+        let data = data(1, 16 * 20); // 20 chunks
+        let t = Timing { window: 32, rto: Duration::from_secs(1), deadline: Duration::from_secs(1) };
+        let reduce = Spec { allreduce: false, ..spec(&g, 1, 0b110, 9) };
+        let mut c = Contributor::new(reduce, Enc::I32(&data), t, Cwnd::new(t.window));
+        let agg = SocketAddrV4::new(Ipv4Addr::LOCALHOST, g.members[0].port);
+        let acks = |first: usize, len: usize| Header {
+            version: crate::wire::VERSION,
+            msg_type: T_AGG_ACKS,
+            flags: 0,
+            job_id: 3,
+            src_rank: 0,
+            mask_base: 0,
+            dst_mask: 0b010,
+            msg_seq: 9,
+            frag_off: (first * CHUNK) as u32,
+            msg_len: 16 * 20 * 4,
+            payload_len: len as u16,
+            agg_op: OP_SUM,
+            dtype: crate::wire::DT_I32,
+        };
+        let now = Instant::now();
+        let mut dec = |_: usize, _: &[u8], _: bool| panic!("a reduce decodes nothing");
+        // Chunk 16 + 4 = 20 does not exist: the whole bitmap is refused.
+        assert_eq!(c.on_answer(&acks(16, 1), &[0b1_0001], agg, now, &mut dec), Verdict::Bad, "bit beyond the message");
+        let mut h = acks(2, 1);
+        h.frag_off += 4;
+        assert_eq!(c.on_answer(&h, &[1], agg, now, &mut dec), Verdict::Bad, "not at a chunk");
+        assert_eq!(c.on_answer(&acks(2, 0), &[], agg, now, &mut dec), Verdict::Bad, "empty bitmap");
+        assert_eq!(c.on_answer(&acks(20, 1), &[1], agg, now, &mut dec), Verdict::Bad, "first chunk beyond");
+        let mut h = acks(2, 1);
+        h.dtype = crate::wire::DT_I64;
+        assert_eq!(c.on_answer(&h, &[1], agg, now, &mut dec), Verdict::Bad, "other dtype");
+        assert_eq!(c.stats.answers, 0);
+        // Chunks 2, 4 and 10; then the same again; then a lone ACK of 4.
+        assert_eq!(c.on_answer(&acks(2, 2), &[0b101, 0b1], agg, now, &mut dec), Verdict::Progress);
+        assert_eq!(c.on_answer(&acks(2, 2), &[0b101, 0b1], agg, now, &mut dec), Verdict::Duplicate);
+        let ack = Header { msg_type: T_AGG_ACK, frag_off: (4 * CHUNK) as u32, payload_len: 0, ..acks(0, 0) };
+        assert_eq!(c.on_answer(&ack, &[], agg, now, &mut dec), Verdict::Duplicate);
+        assert_eq!((c.stats.answers, c.stats.dup_answers, c.stats.bad_answers, c.stats.ack_batches), (3, 4, 5, 2));
+        // Everything else in one bitmap completes the operation.
+        let rest: u32 = (0..20).filter(|c| ![2, 4, 10].contains(c)).map(|c| 1 << c).sum();
+        let b = rest.to_le_bytes();
+        assert_eq!(c.on_answer(&acks(0, 3), &b[..3], agg, now, &mut dec), Verdict::Progress);
+        assert!(c.done());
     }
 }

@@ -20,12 +20,15 @@
 //! (slots, answer arena and receive buffers are reused), accumulate loops
 //! over big-endian values into int64 that the compiler vectorizes, and one
 //! sendmmsg per batch for every answer (one datagram per contributor: the
-//! user-space equivalent of the kernel's fan-out).
+//! user-space equivalent of the kernel's fan-out; reduce chunks marked
+//! F_ACK_LATER are answered with one ACKS bitmap per contributor and
+//! operation instead, acks.rs).
 //!
 //! Files: the slot table and its answers here; counters and mismatch
 //! reports in stats.rs; the sink interface it hands chunks to in sink.rs;
 //! the accumulate loops in combine.rs.
 
+mod acks;
 mod combine;
 mod sink;
 mod stats;
@@ -42,9 +45,10 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
-    Header, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ACK, T_AGG_RECEIPT,
-    T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ACK,
+    T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
+use acks::AckBatch;
 use combine::{combine, encode_result};
 
 #[derive(Debug, Clone)]
@@ -156,6 +160,9 @@ pub struct UserAggregator {
     /// Answers of the current batch: bytes, then (to, start, len).
     arena: Vec<u8>,
     out: Vec<(SocketAddrV4, usize, usize)>,
+    /// Reduce chunks taken this round whose contributors asked for a
+    /// batched acknowledgement (F_ACK_LATER; acks.rs).
+    acks: AckBatch,
     mismatches: VecDeque<MismatchEvent>,
     /// Per rank: the latest (op id, chunk bound) its receipts proved, as
     /// struct kccl_agg_acks keeps it on the kernel path.
@@ -227,6 +234,7 @@ impl UserAggregator {
             members,
             arena: Vec::with_capacity(64 * 1024),
             out: Vec::with_capacity(1024),
+            acks: AckBatch::default(),
             mismatches: VecDeque::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
@@ -570,6 +578,16 @@ impl UserAggregator {
                 values: &s.acc[..n],
             });
         }
+        let op = self.slots[idx].op_id;
+        if !allreduce && m.flags & F_ACK_LATER != 0 {
+            // Acknowledged with the round's other chunks (acks.rs); the
+            // stored answer still serves retransmissions.
+            let frag_off = self.slots[idx].frag_off;
+            self.acks.add(op, frag_off / chunk as u32, m.msg_len, m.agg_op, m.dtype, m.mask_base, m.expected);
+            self.track_op(op, m.msg_len as usize, chunk, now);
+            return;
+        }
+        let s = &self.slots[idx];
         // The answer once into the arena, then one entry per contributor.
         let start = self.arena.len();
         self.arena.extend_from_slice(&s.answer[..s.answer_len]);
@@ -582,7 +600,6 @@ impl UserAggregator {
                 self.out.push((*to, start, len));
             }
         }
-        let op = self.slots[idx].op_id;
         self.track_op(op, m.msg_len as usize, chunk, now);
     }
 
@@ -643,8 +660,31 @@ impl UserAggregator {
         self.out.len()
     }
 
-    /// Sends every queued answer (sendmmsg, 1024 per call).
+    /// A reduce chunk the root's runtime took from the kernel (its ring
+    /// buffer record): acknowledged to its contributors with the round's
+    /// other chunks at the next [`flush`](Self::flush) (acks.rs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ack_later(
+        &mut self,
+        op_id: u32,
+        frag_off: u32,
+        msg_len: u32,
+        agg_op: u8,
+        dtype: u8,
+        mask_base: u16,
+        contributors: u64,
+    ) {
+        let chunk = (frag_off as usize / self.cfg.chunk_bytes) as u32;
+        self.acks.add(op_id, chunk, msg_len, agg_op, dtype, mask_base, contributors);
+    }
+
+    /// Sends every queued answer (sendmmsg, 1024 per call), the round's
+    /// batched acknowledgements first.
     pub fn flush(&mut self, sock: &BatchSocket) -> Result<()> {
+        if !self.acks.is_empty() {
+            let (job, me, chunk) = (self.cfg.job_id, self.cfg.my_rank, self.cfg.chunk_bytes);
+            self.stats.acks_later += self.acks.encode(job, me, chunk, &self.members, &mut self.arena, &mut self.out);
+        }
         if self.out.is_empty() {
             return Ok(());
         }

@@ -20,6 +20,9 @@ pub struct AggStats {
     pub acks: u64,
     /// Answer datagrams sent (one per contributor, plus re-answers).
     pub answers_sent: u64,
+    /// Reduce chunks acknowledged in batches (KCCL_T_AGG_ACKS) after the
+    /// root took them (the kernel's records, or chunks completed here).
+    pub acks_later: u64,
     /// Contribution already counted (slot still active).
     pub dup: u64,
     /// Contribution for a finished chunk: the answer was sent again.

@@ -16,7 +16,9 @@ mod record;
 mod slots;
 mod stats;
 
-use record::{parse_record_header, parse_values, RecordQueue};
+use record::RecordQueue;
+#[cfg(test)]
+use record::{parse_record_header, parse_values};
 
 pub use config::{
     subs_per_slot, AggEngineConfig, XdpMode, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN, SUB_BYTES,
@@ -55,7 +57,8 @@ pub struct AggEngine {
     cfg: AggEngineConfig,
     ring: RingBuffer<'static>,
     records: Arc<Mutex<RecordQueue>>,
-    scratch: Vec<i64>,
+    /// The queue being handed to a reader (see RecordQueue).
+    taken: RecordQueue,
     misses: MissReader,
     xdp: XdpAggSkel<'static>,
     result: TcAggResultSkel<'static>,
@@ -100,9 +103,7 @@ impl AggEngine {
         let mut rb = RingBufferBuilder::new();
         rb.add(&xdp.maps.agg_records, move |raw: &[u8]| {
             if let Ok(mut q) = sink.lock() {
-                let start = q.bytes.len();
-                q.bytes.extend_from_slice(raw);
-                q.spans.push((start, raw.len()));
+                q.push(raw);
             }
             0
         })
@@ -121,7 +122,7 @@ impl AggEngine {
             cfg: cfg.clone(),
             ring,
             records,
-            scratch: Vec::with_capacity(MAX_ELEMS),
+            taken: RecordQueue::default(),
             misses,
             xdp,
             result,
@@ -274,12 +275,12 @@ impl AggEngine {
             // Also records written without a wake-up during the wait.
             self.consume_records(max)?;
         }
-        let q = std::mem::take(&mut *self.records.lock().map_err(|_| Error::Usage("record queue poisoned".into()))?);
-        let mut n = 0;
-        for &(start, len) in &q.spans {
-            let raw = &q.bytes[start..start + len];
-            let h = parse_record_header(raw)?;
-            parse_values(raw, h.nvalues, &mut self.scratch)?;
+        std::mem::swap(
+            &mut *self.records.lock().map_err(|_| Error::Usage("record queue poisoned".into()))?,
+            &mut self.taken,
+        );
+        let q = &self.taken;
+        for (i, (h, _)) in q.headers.iter().enumerate() {
             f(AggRecordView {
                 job_id: h.job_id,
                 op_id: h.op_id,
@@ -291,11 +292,18 @@ impl AggEngine {
                 dtype: h.dtype,
                 overflow: h.overflow,
                 contributors: h.contributors,
-                values: &self.scratch,
+                values: q.values_of(i),
             });
-            n += 1;
         }
-        Ok(n)
+        let n = q.headers.len();
+        // A record that did not parse fails the poll after every good one
+        // was delivered (nothing read is lost).
+        let bad = self.taken.error.take();
+        self.taken.clear();
+        match bad {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
     }
 
     /// Moves up to `max` records from the ring into the record queue.
@@ -403,8 +411,15 @@ mod tests {
         assert_eq!(offset_of!(U, gen), 8);
         assert_eq!(offset_of!(U, acc), 16);
         assert_eq!(size_of::<U>(), 16 + SUB_ELEMS * 8);
-        // enum kccl_agg_stat has KCCL_AS_NR = 27 counters.
-        assert_eq!(AggStats::N, 27);
+        // AggStats has one field per enum kccl_agg_stat entry, in order.
+        let h = include_str!("../../../../../bpf/include/kccl_agg.h");
+        let body = &h[h.find("enum kccl_agg_stat {").expect("enum kccl_agg_stat")..];
+        let names: Vec<String> = body[..body.find("KCCL_AS_NR").expect("KCCL_AS_NR")]
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("KCCL_AS_"))
+            .map(|l| l.split([',', ' ', '\t']).next().unwrap_or("").to_lowercase())
+            .collect();
+        assert_eq!(names, AggStats::NAMES);
         assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
     }
 

@@ -10,7 +10,9 @@ macro_rules! agg_stats {
         }
 
         impl AggStats {
-            pub(super) const N: usize = [$(stringify!($field)),*].len();
+            pub(super) const N: usize = Self::NAMES.len();
+            /// Field names in enum kccl_agg_stat order (KCCL_AS_<NAME>).
+            pub(super) const NAMES: &'static [&'static str] = &[$(stringify!($field)),*];
 
             pub(super) fn from_array(a: [u64; Self::N]) -> AggStats {
                 let mut it = a.into_iter();
@@ -83,4 +85,7 @@ agg_stats! {
     /// tc_agg_result: answers made from a multi-buffer contribution, cut to
     /// their datagram (bpf_skb_change_tail) before the fan-out.
     trimmed,
+    /// Reduce chunks recorded without an ACK: their contributions asked for
+    /// the root's runtime to acknowledge them (KCCL_F_ACK_LATER).
+    acks_later,
 }
