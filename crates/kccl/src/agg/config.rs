@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::member::ContribStats;
+use super::member::{ContribStats, MIN_CWND};
 use super::op::Quant;
 use super::user::AggStats;
 
@@ -16,6 +16,13 @@ pub struct AggConfig {
     /// unanswered one (the slot-reuse proof's W; also the largest
     /// congestion window, which bounds the chunks in flight).
     pub window: usize,
+    /// Bytes a contributor may have in flight toward one aggregator: the
+    /// window shrinks to this many chunks (at least 8) when chunks are
+    /// large.  Why: 256 chunks of 64 KB from each of 4 senders overflow the
+    /// aggregator's veth ring (256 frames) and cost retransmissions and
+    /// timeouts (64 MiB reduce at MTU 65000: 446 retransmissions per
+    /// operation at 16 MiB in flight, none at 2 MiB; docs/BENCHMARKS.md).
+    pub window_bytes: usize,
     /// Retransmission timeout: a chunk unanswered this long after its last
     /// send is sent again (fast retransmission usually comes first).
     pub rto: Duration,
@@ -36,6 +43,7 @@ impl Default for AggConfig {
     fn default() -> Self {
         AggConfig {
             window: 256,
+            window_bytes: 2 << 20,
             rto: Duration::from_millis(25),
             deadline: Duration::from_secs(10),
             quant: Quant::Auto,
@@ -43,6 +51,15 @@ impl Default for AggConfig {
             slot_timeout: Duration::from_secs(2),
             gso: false,
         }
+    }
+}
+
+impl AggConfig {
+    /// The contributor window in chunks of `chunk` bytes: `window`, and no
+    /// more chunks than `window_bytes` holds (but at least MIN_CWND, the
+    /// smallest window in which a lone loss shows as a gap).
+    pub fn window_chunks(&self, chunk: usize) -> usize {
+        self.window.min((self.window_bytes / chunk.max(1)).max(MIN_CWND))
     }
 }
 
@@ -78,4 +95,20 @@ pub struct SendReport {
     pub datagrams: u64,
     pub retransmits: u64,
     pub elapsed: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AggConfig;
+
+    #[test]
+    fn window_in_chunks_follows_the_byte_budget() {
+        let c = AggConfig::default();
+        // 2 MiB: every chunk of MTU 1500 fits 256, 9000 gives 234, 65000 32.
+        assert_eq!([1432, 8928, 64928].map(|b| c.window_chunks(b)), [256, 234, 32]);
+        let tiny = AggConfig { window_bytes: 0, ..AggConfig::default() };
+        assert_eq!(tiny.window_chunks(1432), 8, "never below MIN_CWND");
+        let small = AggConfig { window: 4, window_bytes: 0, ..AggConfig::default() };
+        assert_eq!(small.window_chunks(1432), 4, "never above window");
+    }
 }

@@ -197,7 +197,7 @@ const TIMEOUT_BURST: u64 = 4;
 
 /// Smallest congestion window after a cut: GAP_THRESHOLD answers beyond a
 /// lost chunk must fit in it for the loss to be seen without a timeout.
-const MIN_CWND: usize = 8;
+pub(super) const MIN_CWND: usize = 8;
 
 /// What became of an answer-type datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

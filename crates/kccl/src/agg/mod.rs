@@ -227,7 +227,7 @@ impl Collective {
     }
 
     fn timing(&self) -> Timing {
-        Timing { window: self.cfg.window, rto: self.cfg.rto, deadline: self.cfg.deadline }
+        Timing { window: self.cfg.window_chunks(self.chunk), rto: self.cfg.rto, deadline: self.cfg.deadline }
     }
 
     fn next_call(&mut self) -> u32 {

@@ -149,7 +149,7 @@ impl Collective {
         decode: &mut dyn FnMut(usize, &[u8], bool),
     ) -> Result<(ContribStats, Vec<usize>)> {
         let agg_rank = spec.agg_rank;
-        let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window));
+        let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window_chunks(self.chunk)));
         let mut c = Contributor::new(spec, enc, self.timing(), cwnd);
         self.stats.ops += 1;
         let res = loop {
