@@ -558,6 +558,9 @@ impl AggHarness {
                         }
                         let chunk = c.chunk_bytes();
                         let data = T::data(rank, elems);
+                        // The reduce root's result buffer, reused from call to
+                        // call (reduce_into), as Gloo reduces into its tensor.
+                        let mut out = vec![T::default(); elems];
                         let mut before = Counters::default();
                         for it in 0..=iters {
                             if it == 1 {
@@ -567,7 +570,9 @@ impl AggHarness {
                             let c0 = thread_cpu_time();
                             let t0 = Instant::now();
                             let mut res = match kind {
-                                Kind::Reduce => c.reduce(&data, op, agg_rank)?,
+                                Kind::Reduce => {
+                                    c.reduce_into(&data, op, agg_rank, &mut out)?.then(|| std::mem::take(&mut out))
+                                }
                                 Kind::Allreduce => Some(c.allreduce(&data, op)?),
                             };
                             // The root's work is part of the timed operation
@@ -599,6 +604,9 @@ impl AggHarness {
                                 }
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
+                            }
+                            if let (Kind::Reduce, Some(r)) = (kind, res) {
+                                out = r;
                             }
                         }
                         if iters > 0 {

@@ -248,6 +248,25 @@ impl Collective {
         }
     }
 
+    /// reduce into the caller's buffer, as torch.distributed's reduce
+    /// writes into its tensor: on the root, `out` (as long as `data`)
+    /// receives the result and the call returns true; elsewhere `out` is
+    /// left alone and the call returns false.  Reusing `out` across calls
+    /// saves a fresh result's page faults.
+    pub fn reduce_into<T: Element>(&mut self, data: &[T], op: AggOp, root: u16, out: &mut [T]) -> Result<bool> {
+        if root != self.me.rank {
+            return self.send_aggregated_data(data, op, root).map(|_| false);
+        }
+        if out.len() != data.len() {
+            return Err(Error::Usage(format!(
+                "reduce_into at root {root}: the output holds {} elements, the input {}; they must match",
+                out.len(),
+                data.len()
+            )));
+        }
+        self.root_collect_into(op, Some(data), out).map(|()| true)
+    }
+
     fn protocol_error(&self, what: &str, msg: &str) -> Error {
         Error::Usage(format!("{what}: {msg} (protocol error; check that every member runs the same kccl version)"))
     }
@@ -379,6 +398,16 @@ mod tests {
                     let max = col.allreduce(&ints(r), AggOp::Max).expect("allreduce max");
                     let red = col.reduce(&ints(r), AggOp::Sum, 1).expect("reduce");
                     let avg = col.reduce(&data(r), AggOp::Avg, 0).expect("reduce avg");
+                    // Into a reused buffer at root 2 (a wrong length is refused
+                    // before anything is sent or taken).
+                    let mut into = vec![-1i64; LEN];
+                    if r == 2 {
+                        assert!(col.reduce_into(&ints(r), AggOp::Sum, 2, &mut into[1..]).is_err());
+                    }
+                    let took = col.reduce_into(&ints(r), AggOp::Sum, 2, &mut into).expect("reduce_into");
+                    assert_eq!(took, r == 2, "rank {r}");
+                    let want = if r == 2 { (0..len as i64).map(|i| i * 6 - 21).collect() } else { vec![-1i64; LEN] };
+                    assert_eq!(into, want, "rank {r}: reduce_into");
                     (r, sum, max, red, avg)
                 })
             })

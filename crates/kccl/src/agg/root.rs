@@ -410,6 +410,17 @@ impl Collective {
     /// the kernel's records until every chunk of the operation is in, and
     /// folds `own` in.
     pub(super) fn root_collect<T: Element>(&mut self, len: usize, op: AggOp, own: Option<&[T]>) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); len];
+        self.root_collect_into(op, own, &mut out)?;
+        Ok(out)
+    }
+
+    /// root_collect into the caller's buffer (`out.len()` elements; on an
+    /// error its contents are unspecified).  A reused buffer saves the page
+    /// faults of a fresh one: 64 MiB of result is 16,384 of them, about 8%
+    /// of the machine's CPU in a 64 MiB reduce.
+    pub(super) fn root_collect_into<T: Element>(&mut self, op: AggOp, own: Option<&[T]>, out: &mut [T]) -> Result<()> {
+        let len = out.len();
         let call = self.next_call();
         let me = self.me.rank;
         let what = format!("reduce call {call} at root {me} ({} {op}, {len} elements)", T::NAME);
@@ -417,9 +428,8 @@ impl Collective {
             return Err(Error::Usage(format!("{what}: rank {me} is the allreduce aggregator")));
         }
         let set = self.reduce_contributors(&what, me)?;
-        let mut out = vec![T::default(); len];
         if len == 0 {
-            return Ok(out);
+            return Ok(());
         }
         let own_src = own.map(T::src);
         if let Some(Src::F32(f)) = own_src {
@@ -455,11 +465,11 @@ impl Collective {
                 FinKind::F32NonZero => FinEnc::F32NonZero,
             };
             let f = Finish { agg_op: op.wire(), enc, count };
-            codec::own_only(&f, o, &mut T::dst(&mut out)).map_err(|OutOfRange { index, value }| Error::Overflow {
+            codec::own_only(&f, o, &mut T::dst(out)).map_err(|OutOfRange { index, value }| Error::Overflow {
                 what: what.clone(),
                 detail: format!("element {index} is {value}, outside the output type"),
             })?;
-            return Ok(out);
+            return Ok(());
         }
         check_len::<T>(&what, len, prefix)?;
         let es = if dtype == DT_I64 { 8 } else { 4 };
@@ -495,7 +505,7 @@ impl Collective {
             fin,
             count,
             own: own_src,
-            out: T::dst(&mut out),
+            out: T::dst(out),
             done: vec![0u64; nchunks.div_ceil(64)],
             ndone: 0,
             nchunks,
@@ -532,7 +542,7 @@ impl Collective {
         self.stats.root_chunks += nchunks as u64;
         drop(st);
         self.last_root = Some(RootDone { op_id: main.op_id, nchunks: nchunks as u32, base: set.base, mask: set.mask });
-        Ok(out)
+        Ok(())
     }
 
     pub(super) fn root_timeout(&self, st: &RootState<'_>, since: Duration) -> Error {
