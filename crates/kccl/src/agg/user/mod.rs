@@ -234,7 +234,7 @@ impl UserAggregator {
             members,
             arena: Vec::with_capacity(64 * 1024),
             out: Vec::with_capacity(1024),
-            acks: AckBatch::default(),
+            acks: AckBatch::new(cfg.chunk_bytes),
             mismatches: VecDeque::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
@@ -584,6 +584,7 @@ impl UserAggregator {
             // stored answer still serves retransmissions.
             let frag_off = self.slots[idx].frag_off;
             self.acks.add(op, frag_off / chunk as u32, m.msg_len, m.agg_op, m.dtype, m.mask_base, m.expected);
+            self.stats.acks_later += 1;
             self.track_op(op, m.msg_len as usize, chunk, now);
             return;
         }
@@ -676,14 +677,15 @@ impl UserAggregator {
     ) {
         let chunk = (frag_off as usize / self.cfg.chunk_bytes) as u32;
         self.acks.add(op_id, chunk, msg_len, agg_op, dtype, mask_base, contributors);
+        self.stats.acks_later += 1;
     }
 
     /// Sends every queued answer (sendmmsg, 1024 per call), the round's
     /// batched acknowledgements first.
     pub fn flush(&mut self, sock: &BatchSocket) -> Result<()> {
         if !self.acks.is_empty() {
-            let (job, me, chunk) = (self.cfg.job_id, self.cfg.my_rank, self.cfg.chunk_bytes);
-            self.stats.acks_later += self.acks.encode(job, me, chunk, &self.members, &mut self.arena, &mut self.out);
+            let (job, me) = (self.cfg.job_id, self.cfg.my_rank);
+            self.stats.ack_batches += self.acks.encode(job, me, &self.members, &mut self.arena, &mut self.out);
         }
         if self.out.is_empty() {
             return Ok(());

@@ -23,6 +23,8 @@ pub struct AggStats {
     /// Reduce chunks acknowledged in batches (KCCL_T_AGG_ACKS) after the
     /// root took them (the kernel's records, or chunks completed here).
     pub acks_later: u64,
+    /// KCCL_T_AGG_ACKS datagrams sent (one per contributor and bitmap).
+    pub ack_batches: u64,
     /// Contribution already counted (slot still active).
     pub dup: u64,
     /// Contribution for a finished chunk: the answer was sent again.
