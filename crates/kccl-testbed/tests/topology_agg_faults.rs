@@ -18,8 +18,10 @@
 //! ```
 //!
 //! Faults are installed on the aggregator's (rank 3's, the reduce root's:
-//! rank 2's) eth0 or on a member's (rank 0's) eth0; every randomized run
-//! prints its seed.  Results must be bit-exact (integers) against a
+//! rank 2's) eth0, on a member's (rank 0's) eth0, or 1% loss on every
+//! eth0 of the operation; every randomized run prints its seed.  The
+//! cluster's MTU (KCCL_CLUSTER_MTU, default 9000) sets the chunk size:
+//! `make test` runs the kernel cases at MTU 1500 and 65000 too.  Results must be bit-exact (integers) against a
 //! reference computed here.
 //!
 //! Run: `cargo test --release -p kccl-testbed --test topology_agg_faults -- --test-threads=1 --nocapture`
@@ -141,17 +143,20 @@ fn sum_of(ranks: &[u16], k: usize) -> Vec<i32> {
     out
 }
 
-/// The fault scenarios: (label, rank whose egress misbehaves, config).
-fn scenarios(seed: u64, agg_rank: u16) -> Vec<(String, Option<u16>, FaultConfig)> {
-    let mut v = vec![("no fault".to_string(), None, FaultConfig::default())];
+/// The fault scenarios: (label, ranks whose egress misbehaves, config;
+/// each rank's injector seeded apart).
+fn scenarios(seed: u64, agg_rank: u16, all: &[u16]) -> Vec<(String, Vec<u16>, FaultConfig)> {
+    let mut v = vec![("no fault".to_string(), vec![], FaultConfig::default())];
     for (who, rank) in [("aggregator", agg_rank), ("member 0", 0)] {
         for loss in [0.0001, 0.001, 0.01, 0.05] {
             let f = FaultConfig::from_fractions(loss, 0.0, 0.0, seed).expect("fault config");
-            v.push((format!("loss {loss} on {who}'s link"), Some(rank), f));
+            v.push((format!("loss {loss} on {who}'s link"), vec![rank], f));
         }
         let f = FaultConfig::from_fractions(0.0, 0.05, 0.05, seed).expect("fault config");
-        v.push((format!("dup 5% + reorder 5% on {who}'s link"), Some(rank), f));
+        v.push((format!("dup 5% + reorder 5% on {who}'s link"), vec![rank], f));
     }
+    let f = FaultConfig::from_fractions(0.01, 0.0, 0.0, seed).expect("fault config");
+    v.push(("loss 0.01 on every link".to_string(), all.to_vec(), f));
     v
 }
 
@@ -170,7 +175,11 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
         (topo.group(ALLREDUCE_JOB, &[0, 1, 2, AGG], Some(AGG)), vec![0, 1, 2], AGG)
     };
     let contributors: Vec<u16> = if reduce { vec![0, 1] } else { vec![0, 1, 2] };
-    let sc = scenarios(seed, agg_rank);
+    let mut all = members.clone();
+    if !all.contains(&agg_rank) {
+        all.push(agg_rank);
+    }
+    let sc = scenarios(seed, agg_rank, &all);
     let n = sc.len();
     let stop = Arc::new(AtomicBool::new(false));
     let agg = (!reduce).then(|| serve_aggregator(&topo, &group, path, &stop));
@@ -221,8 +230,8 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
         .collect();
     for (k, (label, rank, f)) in sc.iter().enumerate() {
         topo.clear_faults();
-        if let Some(r) = rank {
-            topo.fault(*r, f);
+        for &r in rank {
+            topo.fault(r, &FaultConfig { seed: f.seed + u64::from(r), ..*f });
         }
         barrier.wait();
         let t = Instant::now();
