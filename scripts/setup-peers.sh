@@ -6,7 +6,7 @@
 set -euo pipefail
 
 . "$(dirname "$0")/apt-lib.sh"
-apt_install_missing setup-peers "took 34 s and 570 MB on a fresh Debian 12" \
+apt_install_missing setup-peers "about 570 MB; 34 s when measured on a fresh Debian 12" \
   python3-torch python3-mpi4py openmpi-bin python3-numpy
 
 # Check that what the peers import works under the interpreter they run with

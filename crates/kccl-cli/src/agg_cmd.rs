@@ -301,7 +301,8 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
         return Err(Error::Usage(format!("size {bad}: sizes are bytes of an int32 vector (a positive multiple of 4)")));
     }
     let op: AggOp = a.op.parse()?;
-    let h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
+    let mut h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
+    h.show_recovery = true;
     // Large vectors: allow for the 2-core machine being slow under load.
     let cfg = AggConfig { deadline: Duration::from_secs(60), gso: a.gso, ..AggConfig::default() };
     println!(

@@ -84,7 +84,7 @@ fn broadcast(a: &DemoArgs, receivers: usize, v: &mut Verdict) -> bool {
     } else {
         BcastHarness::on_group(loopback_group(receivers + 1), None)
     };
-    let point = format!("1472-byte packet to {receivers} receivers, until the last receiving program held it");
+    let point = format!("1472-byte packet to {receivers} receivers, until the last receiving program had it");
     let r = h.and_then(|h| {
         h.with_sender(PathChoice::Auto, |h, b| {
             println!("== sender: {}", b.path_reason());
@@ -100,7 +100,9 @@ fn broadcast(a: &DemoArgs, receivers: usize, v: &mut Verdict) -> bool {
             for &p in &paths {
                 match CHECK_SIZES.iter().try_for_each(|&len| h.verify(b, p, receivers, len)) {
                     Ok(()) => {
-                        println!("== {p:<6} path: {receivers} receivers got every byte of messages of {CHECK_SIZES:?} bytes");
+                        println!(
+                            "== {p:<6} path: {receivers} receivers got every byte of messages of {CHECK_SIZES:?} bytes"
+                        );
                         checked.push(p);
                     }
                     Err(e) => out.push((p, Outcome::of(Err(e.into())))),
@@ -119,9 +121,8 @@ fn broadcast(a: &DemoArgs, receivers: usize, v: &mut Verdict) -> bool {
             println!("== latency: {} broadcasts of one 1472-byte packet to {receivers} receivers per path", a.iters);
             match h.measure(b, &checked, receivers, kccl::wire::MAX_UDP_PAYLOAD_1500, a.iters) {
                 Ok(rows) => {
+                    println!("{}", kccl_testbed::bench::BCAST_LEGEND);
                     kccl_testbed::bench::print_rows(&rows);
-                    println!("   held: until the last receiver's kernel had every datagram; app: until the last receiving");
-                    println!("   program had the message; confirmed: until every receiver's acknowledgment reached the sender.");
                     out.extend(rows.iter().map(|r| (r.path, bcast_outcome(r, &point))));
                 }
                 Err(e) => out.extend(checked.iter().map(|&p| (p, Outcome::Failed(e.to_string())))),

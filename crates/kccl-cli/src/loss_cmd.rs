@@ -62,13 +62,22 @@ pub fn bench(mut a: BenchLossArgs) -> Result<()> {
         spec.seed, spec.reduce_bytes, spec.senders, spec.bcast_bytes, spec.receivers
     );
     let rows: Vec<LossRecord> = loss::run(&spec, &Progress::new("kccl bench loss"))?;
+    // A smoke run checks that the benchmark works (small vectors, two
+    // iterations: its ratios are noise); targets are judged on full runs.
     for r in rows.iter().filter(|r| r.path == Path::Kernel && r.loss == 0.01) {
-        println!(
-            "  {} kernel path at 1% loss: {:.2}x of no loss (target >= 0.8x): {}",
-            r.collective,
-            r.relative,
-            if r.relative >= 0.8 { "met" } else { "NOT met" }
-        );
+        if a.smoke {
+            println!(
+                "  {} kernel path at 1% loss: {:.2}x of no loss (smoke run: not a measurement)",
+                r.collective, r.relative
+            );
+        } else {
+            println!(
+                "  {} kernel path at 1% loss: {:.2}x of no loss (target >= 0.8x): {}",
+                r.collective,
+                r.relative,
+                if r.relative >= 0.8 { "met" } else { "NOT met" }
+            );
+        }
     }
     write_outputs(&rows, &a.json, a.plot.as_deref(), "loss")?;
     println!(

@@ -498,6 +498,7 @@ fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
     }
     let max = a.receivers.iter().copied().max().unwrap_or(1).max(1);
     let h = BcastHarness::new(&cluster::unique_name("bench"), max)?;
+    println!("{}", kccl_testbed::bench::BCAST_LEGEND);
     let records: Vec<BcastRecord> = h.with_sender(PathChoice::Kernel, |h, b| {
         let mut all = Vec::new();
         for &size in &a.sizes {

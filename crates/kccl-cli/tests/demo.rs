@@ -44,6 +44,38 @@ fn show(o: &Output) -> String {
     )
 }
 
+/// What a newcomer could not read in the demo's output: a ratio of a
+/// near-zero figure (every printed ratio must lie in [0.1, 10]; outside it
+/// the demo prints both figures), issue or roadmap numbers, terms it never
+/// explains.
+fn newcomer_problems(o: &Output) -> Vec<String> {
+    let out = String::from_utf8_lossy(&o.stdout);
+    let mut bad = Vec::new();
+    for l in out.lines() {
+        let low = l.to_lowercase();
+        let numbered =
+            |w: &str| low.match_indices(w).any(|(i, _)| low[i + w.len()..].starts_with(|c: char| c.is_ascii_digit()));
+        if numbered("issue ") || numbered("roadmap item ") || numbered("fig. ") {
+            bad.push(format!("refers to a number a newcomer cannot look up: {l}"));
+        }
+        for word in ["held p50", "app p50", "confirmed p50"] {
+            if l.contains(word) {
+                bad.push(format!("unexplained term {word:?}: {l}"));
+            }
+        }
+        if l.trim_start().starts_with("ratio ") {
+            for tok in l.split_whitespace() {
+                if let Some(x) = tok.strip_suffix('x').and_then(|v| v.parse::<f64>().ok()) {
+                    if !(0.1..=10.0).contains(&x) {
+                        bad.push(format!("ratio {x} of a near-zero figure: {l}"));
+                    }
+                }
+            }
+        }
+    }
+    bad
+}
+
 #[test]
 fn demo_as_root_ends_with_a_verdict_and_fails_on_wrong_results() {
     let test = "demo_as_root_ends_with_a_verdict_and_fails_on_wrong_results";
@@ -64,6 +96,8 @@ fn demo_as_root_ends_with_a_verdict_and_fails_on_wrong_results() {
     }
     let closing = v.last().map(String::as_str).unwrap_or("");
     assert!(closing.starts_with("kccl works on this machine"), "{}", show(&o));
+    let bad = newcomer_problems(&o);
+    assert!(bad.is_empty(), "the demo's output:\n{}", bad.join("\n"));
 
     let o = demo(&[], &["--hosts", "3", "--iters", "20", "--agg-iters", "1", "--corrupt-results"]);
     let v = verdict(&o);
@@ -105,5 +139,7 @@ fn demo_without_root_says_only_the_user_path_ran() {
         "{}",
         show(&o)
     );
+    let bad = newcomer_problems(&o);
+    assert!(bad.is_empty(), "the demo's output:\n{}", bad.join("\n"));
     println!("{test}: user path exact, kernel path explained (not root), exit 0");
 }

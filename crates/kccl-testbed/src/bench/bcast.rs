@@ -387,13 +387,18 @@ fn spawn_receiver(
         .map_err(|e| Error::io("spawning a receiver thread", e))
 }
 
+/// What the latency columns of [`print_rows`] measure, from the first send.
+pub const BCAST_LEGEND: &str =
+    "   in-kernel: until the last receiver's kernel had every datagram; delivered: until the last\n   \
+     receiving program had the message; acked: until every receiver's acknowledgment reached the sender.";
+
 /// Prints broadcast rows of one point and, with both paths, their ratios.
 pub fn print_rows(rows: &[BcastRecord]) {
     let k = rows.iter().find(|r| r.path == Path::Kernel);
     let u = rows.iter().find(|r| r.path == Path::User);
     for r in rows {
         crate::outln!(
-            "  {:<6} recv={:<3} size={:<5} held p50={:>7.1}us p99={:>7.1}us | app p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | confirmed p50={:>7.1}us re-sent={:.2} lost={}",
+            "  {:<6} recv={:<3} size={:<5} in-kernel p50={:>7.1}us p99={:>7.1}us | delivered p50={:>7.1}us p99={:>7.1}us | sender cpu={:>6.1}us total cpu={:>6.1}us | acked p50={:>7.1}us re-sent={:.2} lost={}",
             r.path.to_string(),
             r.receivers,
             r.size,
@@ -410,12 +415,12 @@ pub fn print_rows(rows: &[BcastRecord]) {
     }
     if let (Some(k), Some(u)) = (k, u) {
         crate::outln!(
-            "  ratio kernel/user: held p50 {:.2}x p99 {:.2}x | app p50 {:.2}x p99 {:.2}x | sender cpu {:.2}x",
-            k.p50_us / u.p50_us,
-            k.p99_us / u.p99_us,
-            k.app_p50_us / u.app_p50_us,
-            k.app_p99_us / u.app_p99_us,
-            k.sender_cpu_us / u.sender_cpu_us
+            "  ratio kernel/user: in-kernel p50 {} p99 {} | delivered p50 {} p99 {} | sender cpu {}",
+            super::agg::ratio(k.p50_us, u.p50_us, "us"),
+            super::agg::ratio(k.p99_us, u.p99_us, "us"),
+            super::agg::ratio(k.app_p50_us, u.app_p50_us, "us"),
+            super::agg::ratio(k.app_p99_us, u.app_p99_us, "us"),
+            super::agg::ratio(k.sender_cpu_us, u.sender_cpu_us, "us")
         );
     }
 }

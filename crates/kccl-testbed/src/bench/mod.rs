@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-pub use bcast::{print_rows, BcastHarness, BcastRecord};
+pub use bcast::{print_rows, BcastHarness, BcastRecord, BCAST_LEGEND};
 
 /// FNV-1a of a message: receivers' bytes are checked by length and this hash.
 pub fn fnv1a(data: &[u8]) -> u64 {

@@ -84,13 +84,19 @@ impl Experiment {
 
     fn title(self) -> &'static str {
         match self {
-            Experiment::BcastReceivers => "Broadcast latency vs receivers (AggBox fig. 3)",
-            Experiment::BcastSize => "Broadcast latency vs packet size (AggBox fig. 4)",
-            Experiment::AggThroughput => "Reduce time and throughput vs data size, 4 senders (AggBox fig. 7)",
-            Experiment::AggGemm => "Reduce followed by user-space GEMM vs matrix size, 4 senders (AggBox fig. 8)",
-            Experiment::AggCpu => "Aggregator CPU vs senders at a paced reduce load (AggBox fig. 11)",
-            Experiment::ParamServer => "Parameter-server allreduce of model gradients vs workers (AggBox table 3)",
-            Experiment::ScatterGather => "Scatter-gather fan-out/fan-in latency (sgbpf)",
+            Experiment::BcastReceivers => "Broadcast latency vs receivers (the AggBox paper's fig. 3)",
+            Experiment::BcastSize => "Broadcast latency vs packet size (the AggBox paper's fig. 4)",
+            Experiment::AggThroughput => {
+                "Reduce time and throughput vs data size, 4 senders (the AggBox paper's fig. 7)"
+            }
+            Experiment::AggGemm => {
+                "Reduce followed by user-space GEMM vs matrix size, 4 senders (the AggBox paper's fig. 8)"
+            }
+            Experiment::AggCpu => "Aggregator CPU vs senders at a paced reduce load (the AggBox paper's fig. 11)",
+            Experiment::ParamServer => {
+                "Parameter-server allreduce of model gradients vs workers (the AggBox paper's table 3)"
+            }
+            Experiment::ScatterGather => "Scatter-gather fan-out/fan-in latency (the sgbpf paper's)",
         }
     }
 
@@ -646,7 +652,7 @@ pub fn run(spec: &SuiteSpec) -> Result<SuiteOutcome> {
     Ok(SuiteOutcome { results, summary, failed })
 }
 
-const SG_NOT_MEASURED: &str = "not measured: scatter-gather does not exist yet (roadmap item 5); \
+const SG_NOT_MEASURED: &str = "not measured: kccl has no scatter-gather yet; \
      the comparison with blocking, epoll and io_uring baselines waits for it";
 
 #[cfg(test)]
