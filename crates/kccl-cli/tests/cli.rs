@@ -675,7 +675,7 @@ fn bench_all_runs_a_tiny_subset() {
         problems.push(format!("scatter-gather only: exit {:?}: {}", o.status.code(), err_of(&o)));
     }
     let summary = fs::read_to_string(out.join("summary.md")).unwrap_or_default();
-    if !summary.contains("not measured: scatter-gather does not exist yet") {
+    if !summary.contains("not measured: kccl has no scatter-gather yet") {
         problems.push(format!("summary.md does not say scatter-gather is not measured: {summary:?}"));
     }
     let sg = fs::read_to_string(out.join("scatter-gather.json")).unwrap_or_default();
