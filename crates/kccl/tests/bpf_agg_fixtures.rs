@@ -381,6 +381,23 @@ struct Rec {
     values: Vec<i64>,
 }
 
+impl Rec {
+    /// The record of an int32 SUM message that is one chunk of `len` bytes.
+    fn sum_i32(op_id: u32, len: usize, contributors: u64, values: Vec<i64>) -> Rec {
+        Rec {
+            op_id,
+            frag_off: 0,
+            msg_len: len as u32,
+            payload_len: len as u16,
+            agg_op: SUM,
+            dtype: I32,
+            overflow: false,
+            contributors,
+            values,
+        }
+    }
+}
+
 enum Step {
     /// Packet in, verdict, bytes out when XDP_PASS (None: not checked).
     Pkt {
@@ -1237,17 +1254,7 @@ fn fixtures() -> Vec<Fixture> {
             s.records = 1;
         });
         f.slots = vec![(op_id, 0, SlotState::Done, mask_of(&ranks))];
-        f.records = vec![Rec {
-            op_id,
-            frag_off: 0,
-            msg_len: 65208,
-            payload_len: 65208,
-            agg_op: SUM,
-            dtype: I32,
-            overflow: false,
-            contributors: mask_of(&ranks),
-            values: acc,
-        }];
+        f.records = vec![Rec::sum_i32(op_id, 65208, mask_of(&ranks), acc)];
         t.push(f);
     }
     for e in [Engine::Default, Engine::Chunk65208] {
@@ -1284,17 +1291,7 @@ fn fixtures() -> Vec<Fixture> {
             s.dup_done = 1;
         });
         f.slots = vec![(op_id, 0, SlotState::Done, mask_of(&ranks))];
-        f.records = vec![Rec {
-            op_id,
-            frag_off: 0,
-            msg_len: (n * 4) as u32,
-            payload_len: (n * 4) as u16,
-            agg_op: SUM,
-            dtype: I32,
-            overflow: false,
-            contributors: mask_of(&ranks),
-            values: acc,
-        }];
+        f.records = vec![Rec::sum_i32(op_id, n * 4, mask_of(&ranks), acc)];
         t.push(f);
     }
     {
