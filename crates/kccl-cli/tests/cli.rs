@@ -531,11 +531,17 @@ fn aggregator_command() {
     let with = dir.write("with.toml", format!("aggregator = 1\n{}", loopback_group(&ports, "lo")));
     let o = run(&["aggregator", "--group", s(&with), "--rank", "0", "--path", "user"]);
     bad.extend(expect_error("wrong rank", &o, &["not the group's aggregator", "aggregator = 1"]));
-    let o = run(&["aggregator", "--group", s(&with), "--rank", "1", "--path", "user", "--seconds", "0.3"]);
+    let o = run(&["aggregator", "--group", s(&with), "--rank", "1", "--path", "user", "--stats-every", "0"]);
+    bad.extend(expect_error("--stats-every 0", &o, &["--stats-every 0", "positive"]));
+    let args = ["aggregator", "--group", s(&with), "--rank", "1", "--path", "user", "--seconds", "0.5"];
+    let o = run(&[&args[..], &["--stats-every", "0.2"]].concat());
+    let err = err_of(&o);
     if !o.status.success() {
-        bad.push(format!("aggregator --seconds 0.3 failed: {}", err_of(&o)));
-    } else if !err_of(&o).contains("user-space path") || !err_of(&o).contains("aggregator counters") {
-        bad.push(format!("aggregator output: {}", err_of(&o)));
+        bad.push(format!("aggregator --seconds 0.5 failed: {err}"));
+    } else if !err.contains("user-space path") || !err.contains("kernel counters: none") {
+        bad.push(format!("aggregator output: {err}"));
+    } else if err.matches("aggregator counters").count() < 2 {
+        bad.push(format!("--stats-every 0.2 over 0.5 s printed the counters fewer than twice: {err}"));
     }
     assert_clean("aggregator_command", bad);
 }
@@ -621,9 +627,17 @@ fn reduce_and_allreduce_through_the_cli() {
                 problems.push(format!("{path}: allreduce rank {r} exit {:?}: {}", o.status.code(), err_of(&o)));
             }
         }
-        let mut agg = agg;
-        let _ = agg.kill();
-        let _ = agg.wait();
+        // SIGTERM ends the aggregator cleanly, with its counters: on the
+        // kernel path xdp_agg's by name (the results it sent among them).
+        // SAFETY: kill(2) of the child we spawned.
+        unsafe { libc::kill(agg.id() as i32, libc::SIGTERM) };
+        let o = agg.wait_with_output().expect("waiting for kccl aggregator");
+        let want =
+            if path == "kernel" { "kernel counters (xdp_agg, tc_agg_result): " } else { "kernel counters: none" };
+        let err = err_of(&o);
+        if !o.status.success() || !err.contains(want) || (path == "kernel" && !err.contains(" results=")) {
+            problems.push(format!("{path}: aggregator after SIGTERM: exit {:?}, stderr {err:?}", o.status.code()));
+        }
         for (r, out) in outs.iter().enumerate() {
             check_file(&mut problems, &format!("{path}: allreduce result at rank {r}"), out, &sum(&[0, 1, 2]));
         }
