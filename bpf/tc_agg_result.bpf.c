@@ -16,7 +16,9 @@
  *  - IPv4/UDP over Ethernet; the answer's UDP source port is the aggregator
  *    port (cfg_port: xdp_agg swapped the ports), which is also checked.
  *  - members[] is the SAME map instance as xdp_agg's (the loader shares it),
- *    filled by the runtime with each contributor's address, port and MAC.
+ *    filled by the runtime with each contributor's address and port (and MAC
+ *    if the neighbour table had one); xdp_agg sets the MAC from each
+ *    contributor's packets, so every destination of an answer is resolved.
  *  - Only answers signed with this host's rank (src_rank == cfg_my_rank)
  *    are fanned out, and every copy leaves with KCCL_F_FANOUT cleared: a
  *    contributor that also runs these programs (any member can be a reduce

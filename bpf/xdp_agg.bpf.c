@@ -41,8 +41,11 @@
  *    cfg_nslots * ceil(C / KCCL_AGG_SUB_BYTES) entries), cfg_slot_timeout_ns
  *    (an ACTIVE/UNDELIVERED chunk older than this may lose its slot),
  *    cfg_wakeup_bytes (ring buffer wake-up batching).
- *  - members[rank] is filled by the runtime; a contribution whose source
- *    address is not its src_rank's is dropped (NOT_MEMBER).
+ *  - members[rank] is filled by the runtime (address, port, and the MAC if
+ *    the neighbour table had one); a contribution or receipt whose source
+ *    address is not its src_rank's is dropped (NOT_MEMBER), one that passes
+ *    sets the rank's next-hop MAC to the frame's source MAC (learn_next_hop:
+ *    answers go only to contributors, so every destination was learned).
  *  - Contributors keep a window of chunks smaller than nslots (docs), so a
  *    chunk that finds its slot held by another live chunk is dropped (BUSY)
  *    and retransmitted by its sender.
@@ -205,6 +208,34 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 
 	if (v)
 		*v += n;
+}
+
+/*
+ * members[rank]'s next hop learned from a packet of that rank (its source
+ * address already checked): the frame's source MAC is where the rank's
+ * answers go (the member itself on this segment, or the router in front of
+ * it).  So the fan-out works however cold the neighbour table was when the
+ * runtime filled members[], and follows a member that moved.  Written only
+ * when it differs, the MAC before the RESOLVED bit; a fan-out reading the
+ * entry during a change may address one copy to a torn MAC, which the
+ * contributor's retransmission repairs.
+ */
+static __always_inline void learn_next_hop(struct kccl_member *m, const struct ethhdr *eth)
+{
+	bool same = true;
+	int i;
+
+#pragma unroll
+	for (i = 0; i < ETH_ALEN; i++)
+		same &= m->mac[i] == eth->h_source[i];
+	if (same && (m->flags & KCCL_M_RESOLVED))
+		return;
+	__builtin_memcpy(m->mac, eth->h_source, ETH_ALEN);
+	/* The MAC before the bit, and a plain store of the bit: the only
+	 * concurrent writers (xdp_agg on other CPUs) set the same bit. */
+	asm volatile("" ::: "memory");
+	*(volatile __u32 *)&m->flags = m->flags | KCCL_M_RESOLVED;
+	stat_add(KCCL_AS_NEXT_HOP_LEARNED, 1);
 }
 
 /* Topic headers (bpf/include/); they use the maps and configuration above. */
@@ -516,6 +547,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 			stat_add(KCCL_AS_NOT_MEMBER, 1);
 			return XDP_DROP;
 		}
+		learn_next_hop(m, eth);
 		if (h->payload_len)
 			goto malformed;
 		c.frag = bpf_ntohl(h->frag_off);
@@ -569,6 +601,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		stat_add(KCCL_AS_NOT_MEMBER, 1);
 		return XDP_DROP;
 	}
+	learn_next_hop(m, eth);
 
 	c.op_id = bpf_ntohl(h->msg_seq);
 	c.allreduce = flags & KCCL_F_ALLREDUCE;

@@ -141,6 +141,7 @@ enum kccl_agg_stat {
 	KCCL_AS_STALE,		/* contribution its sender proved it has the answer of: dropped */
 	KCCL_AS_TRIMMED,	/* tc_agg_result: answers cut to their datagram */
 	KCCL_AS_ACKS_LATER,	/* reduce chunks recorded without an ACK (KCCL_F_ACK_LATER) */
+	KCCL_AS_NEXT_HOP_LEARNED, /* members[rank].mac set from a packet's source MAC */
 	KCCL_AS_NR,
 };
 

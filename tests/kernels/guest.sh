@@ -39,6 +39,7 @@ full_topologies=(
   "topology_agg_faults allreduce_exact_under_faults_kernel"
   "topology_broadcast_faults a_loss_on_sender_link"
   "agg_kernel_smoke agg_kernel_smoke"
+  "topology_cold_neighbours kernel_allreduce_and_reduce_with_cold_neighbour_tables"
 )
 
 for fixtures in bpf_agg_fixtures bpf_bcast_fixtures bpf_fault_fixtures; do

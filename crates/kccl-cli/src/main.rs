@@ -119,6 +119,10 @@ enum ClusterCmd {
         /// chunks follow it (default KCCL_CLUSTER_MTU, else 9000).
         #[arg(long)]
         mtu: Option<u32>,
+        /// Leave the hosts' neighbour tables empty (filled by ARP, as on a
+        /// network kccl did not build) instead of permanent entries.
+        #[arg(long)]
+        cold_neighbours: bool,
     },
     /// Remove everything `cluster up` made for NAME.
     #[command(after_help = "Example: sudo kccl cluster down --name lab")]
@@ -286,11 +290,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
 
 fn cluster_cmd(c: ClusterCmd) -> Result<ExitCode> {
     match c {
-        ClusterCmd::Up { hosts, name, port, job, mtu } => {
+        ClusterCmd::Up { hosts, name, port, job, mtu, cold_neighbours } => {
             let mut spec = ClusterSpec::new(&name, hosts);
             spec.port = port;
             spec.job_id = job;
             spec.mtu = mtu;
+            if cold_neighbours {
+                spec.neighbours = cluster::Neighbours::Learned;
+            }
             let c = cluster::up(&spec)?;
             println!(
                 "cluster '{}' is up: {} hosts, MTU {}, group file {}",

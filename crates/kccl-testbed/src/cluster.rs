@@ -20,8 +20,9 @@
 //!
 //! Host i has (A,B) = ((i+1)/256, (i+1)%256). Every host holds a PERMANENT
 //! neighbour entry for every other host, so no ARP traffic competes with the
-//! measured traffic, and IPv6 is disabled everywhere so no router
-//! solicitations or DAD packets appear on the wire.
+//! measured traffic (`Neighbours::Learned` leaves the tables empty, to fill
+//! by ARP as on a network kccl did not build), and IPv6 is disabled
+//! everywhere so no router solicitations or DAD packets appear on the wire.
 //!
 //! Every veth (both ends, and so the bridge) has the cluster's MTU
 //! (`ClusterSpec::mtu`: 9000 unless KCCL_CLUSTER_MTU says otherwise), which
@@ -101,12 +102,34 @@ pub struct ClusterSpec {
     /// MTU of every link (veth ends, bridge) and the group file's `mtu`;
     /// None: [`default_mtu`] (KCCL_CLUSTER_MTU, else [`DEFAULT_MTU`]).
     pub mtu: Option<u32>,
+    /// How hosts know each other's MAC addresses.
+    pub neighbours: Neighbours,
+}
+
+/// The hosts' neighbour tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Neighbours {
+    /// A permanent entry for every other host from the start: no ARP
+    /// traffic competes with measured traffic.
+    #[default]
+    Permanent,
+    /// Empty tables that fill by ARP, as on a network kccl did not build
+    /// (the cold-neighbour topology tests run in this mode).
+    Learned,
 }
 
 impl ClusterSpec {
-    /// A spec with the default port, job 1 and the default MTU.
+    /// A spec with the default port, job 1, the default MTU and permanent
+    /// neighbour entries.
     pub fn new(name: &str, hosts: usize) -> Self {
-        ClusterSpec { name: name.to_owned(), hosts, port: DEFAULT_PORT, job_id: 1, mtu: None }
+        ClusterSpec {
+            name: name.to_owned(),
+            hosts,
+            port: DEFAULT_PORT,
+            job_id: 1,
+            mtu: None,
+            neighbours: Neighbours::Permanent,
+        }
     }
 }
 
@@ -515,7 +538,7 @@ fn build(
             i = h.index,
             addr = h.addr,
         );
-        for o in hosts.iter().filter(|o| o.index != h.index) {
+        for o in hosts.iter().filter(|o| o.index != h.index && spec.neighbours == Neighbours::Permanent) {
             s.push_str(&format!(
                 "neigh replace {} lladdr {} dev {HOST_IFACE} nud permanent\n",
                 o.addr,

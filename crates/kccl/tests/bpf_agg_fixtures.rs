@@ -406,6 +406,12 @@ enum Step {
         output: Option<Vec<u8>>,
     },
     Sleep(Duration),
+    /// Write members[rank] before the next packets (mac None: unresolved
+    /// neighbour); the runner restores every member after the fixture.
+    Member {
+        rank: u16,
+        mac: Option<[u8; 6]>,
+    },
     /// Read the ring buffer now (records join the fixture's list).
     Drain,
     /// Read at most `max` records now (AggEngine::poll_records_max); `want`
@@ -460,11 +466,21 @@ struct Fixture {
     /// (op_id, frag_off, state, seen) of slots to check afterwards.
     slots: Vec<(u32, u32, SlotState, u64)>,
     records: Vec<Rec>,
+    /// (rank, next-hop MAC) of members[] to check afterwards.
+    next_hops: Vec<(u16, Option<[u8; 6]>)>,
 }
 
 impl Fixture {
     fn new(name: impl Into<String>, engine: Engine) -> Fixture {
-        Fixture { name: name.into(), engine, steps: vec![], stats: AggStats::default(), slots: vec![], records: vec![] }
+        Fixture {
+            name: name.into(),
+            engine,
+            steps: vec![],
+            stats: AggStats::default(),
+            slots: vec![],
+            records: vec![],
+            next_hops: vec![],
+        }
     }
 
     fn drop(&mut self, c: &Contrib) -> &mut Self {
@@ -880,6 +896,50 @@ fn fixtures() -> Vec<Fixture> {
         let mut f = Fixture::new("rank 20 has no members entry: NOT_MEMBER", d);
         f.drop(&c);
         f.stats = stats(|s| s.not_member = 1);
+        t.push(f);
+    }
+    // Next hops learned from contributions: the fan-out works however cold
+    // the neighbour table was when the runtime filled members[].
+    {
+        let op_id = ids.alloc(d, &[0]);
+        let c = Contrib::new(1, op_id, SUM, I32, &ranks, &[1, 2]);
+        let mut f = Fixture::new("unresolved rank 1 contributes: its next hop is learned from the source MAC", d);
+        f.steps.push(Step::Member { rank: 1, mac: None });
+        f.drop(&c);
+        f.stats = stats(|s| {
+            s.pkts = 1;
+            s.next_hop_learned = 1;
+        });
+        f.next_hops = vec![(1, Some(mac_of(1))), (2, Some(mac_of(2)))];
+        t.push(f);
+    }
+    {
+        let op_id = ids.alloc(d, &[0]);
+        let moved = [0x02, 0xee, 0, 0, 0, 1];
+        let c = Contrib::new(1, op_id, SUM, I32, &ranks, &[1, 2]);
+        let mut input = c.build();
+        input[6..12].copy_from_slice(&moved);
+        let r = Contrib::new(2, op_id, SUM, I32, &ranks, &[3, 4]);
+        let mut f = Fixture::new("rank 1 now behind another next hop: relearned; rank 2 unchanged, not rewritten", d);
+        f.steps.push(Step::Pkt { input, verdict: XDP_DROP, output: None });
+        f.drop(&r);
+        f.stats = stats(|s| {
+            s.pkts = 2;
+            s.next_hop_learned = 1;
+        });
+        f.next_hops = vec![(1, Some(moved)), (2, Some(mac_of(2)))];
+        t.push(f);
+    }
+    {
+        let mut c = one(&mut ids);
+        c.saddr = Some(Ipv4Addr::new(10, 9, 0, 2));
+        let mut input = c.build();
+        input[6..12].copy_from_slice(&[0x02, 0xba, 0xd0, 0, 0, 1]);
+        let mut f = Fixture::new("forged rank 1 (rank 2's address, another MAC): NOT_MEMBER, nothing learned", d);
+        f.steps.push(Step::Member { rank: 1, mac: None });
+        f.steps.push(Step::Pkt { input, verdict: XDP_DROP, output: None });
+        f.stats = stats(|s| s.not_member = 1);
+        f.next_hops = vec![(1, None)];
         t.push(f);
     }
     {
@@ -1792,6 +1852,11 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
     for (i, step) in fx.steps.iter().enumerate() {
         match step {
             Step::Sleep(d) => std::thread::sleep(*d),
+            Step::Member { rank, mac } => {
+                if let Err(err) = e.set_member(*rank, ip_of(*rank), port_of(*rank), *mac) {
+                    errs.push(format!("step {i}: {err}"));
+                }
+            }
             Step::Drain => {
                 if let Err(err) = drain(e, &mut records) {
                     errs.push(err);
@@ -1854,6 +1919,20 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
     }
     if records != fx.records {
         errs.push(format!("ring records {records:?}\n        want {:?}", fx.records));
+    }
+    for &(rank, want) in &fx.next_hops {
+        match e.next_hop(rank) {
+            Ok(got) if got == want => {}
+            Ok(got) => errs.push(format!("next hop of rank {rank}: {got:02x?} (want {want:02x?})")),
+            Err(err) => errs.push(format!("next hop of rank {rank}: {err}")),
+        }
+    }
+    // Fixtures that change next hops (Member steps, or packets from another
+    // MAC, which they check) leave members[] as every other fixture expects.
+    if !fx.next_hops.is_empty() || fx.steps.iter().any(|s| matches!(s, Step::Member { .. })) {
+        if let Err(err) = members(e) {
+            errs.push(format!("restoring members: {err}"));
+        }
     }
     for &(op, frag, state, seen) in &fx.slots {
         match e.slot(e.slot_index(op, frag)) {

@@ -50,6 +50,27 @@ pub(crate) fn write_member_entry<M: MapCore>(map: &M, rank: u16, v: &types::kccl
         .map_err(|e| Error::Bpf { step: format!("writing members[{rank}]"), source: e })
 }
 
+/// The next-hop MAC of members[rank] in a members map: None when the slot
+/// holds no member or its MAC is unresolved.
+pub(crate) fn read_next_hop<M: MapCore>(map: &M, rank: u16) -> Result<Option<[u8; 6]>> {
+    use std::mem::offset_of;
+    type T = types::kccl_member;
+    if rank as usize >= MAX_MEMBERS {
+        return Err(Error::Usage(format!("rank {rank} exceeds the kernel limit of {MAX_MEMBERS} members")));
+    }
+    let step = || format!("reading members[{rank}]");
+    let v = map
+        .lookup(&u32::from(rank).to_ne_bytes(), MapFlags::ANY)
+        .map_err(|e| Error::Bpf { step: step(), source: e })?
+        .filter(|v| v.len() == std::mem::size_of::<T>())
+        .ok_or_else(|| Error::Usage(format!("{}: no entry of the expected size", step())))?;
+    let o = offset_of!(T, flags);
+    let flags = u32::from_ne_bytes([v[o], v[o + 1], v[o + 2], v[o + 3]]);
+    let mut mac = [0u8; 6];
+    mac.copy_from_slice(&v[offset_of!(T, mac)..][..6]);
+    Ok((flags & M_PRESENT != 0 && flags & M_RESOLVED != 0).then_some(mac))
+}
+
 /// Complete neighbour entries of `iface` in the calling thread's namespace
 /// (/proc/thread-self: /proc/self/net would be the main thread's namespace).
 pub fn neighbours(iface: &str) -> HashMap<Ipv4Addr, [u8; 6]> {

@@ -15,7 +15,7 @@ mod misses;
 
 pub use bcast::{BcastFanout, BcastStats, CLONE_MARK};
 pub(crate) use load::{attach_tcx, load_skeleton, no_rodata, open_skeleton, sum_percpu, verified_insns};
-pub(crate) use members::{ifname, member_entry, write_member_entry};
+pub(crate) use members::{ifname, member_entry, read_next_hop, write_member_entry};
 pub use members::{neighbours, parse_mac};
 pub(crate) use misses::MissReader;
 pub use misses::{MissEvent, MissReason};

@@ -39,8 +39,8 @@ use libbpf_rs::{Link, RingBuffer, RingBufferBuilder};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::kernel::{
-    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, sum_percpu, verified_insns,
-    write_member_entry, MissEvent, MissReader, CLONE_MARK,
+    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, read_next_hop, sum_percpu,
+    verified_insns, write_member_entry, MissEvent, MissReader, CLONE_MARK,
 };
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
 use crate::skel_agg_result::{TcAggResultSkel, TcAggResultSkelBuilder};
@@ -237,6 +237,13 @@ impl AggEngine {
         }
         self.unresolved = unresolved;
         Ok(())
+    }
+
+    /// Where `rank`'s answers go now: the MAC of members[rank] (from the
+    /// neighbour table at sync, or learned by xdp_agg from the rank's
+    /// packets), None while unresolved or not a member.
+    pub fn next_hop(&self, rank: u16) -> Result<Option<[u8; 6]>> {
+        read_next_hop(&self.xdp.maps.members, rank)
     }
 
     /// Ranks the last [`AggEngine::sync_members`] found no neighbour entry for.

@@ -88,4 +88,7 @@ agg_stats! {
     /// Reduce chunks recorded without an ACK: their contributions asked for
     /// the root's runtime to acknowledge them (KCCL_F_ACK_LATER).
     acks_later,
+    /// A member's next-hop MAC set from the source MAC of its contribution
+    /// or receipt (it was unresolved, or it changed).
+    next_hop_learned,
 }
