@@ -932,11 +932,12 @@ fn bad_input(test: &str, paths: Paths) {
                     bad.push(format!("rank {rank}: timeout does not name the missing chunks: {what}"));
                 }
             }
-            // The kernel keeps whichever length claimed a slot first and
-            // drops the other: PENDING answers then name the ranks whose
-            // contributions it dropped (rank 1, or, seen from rank 1 when its
-            // chunk came first, the others), never the asking rank itself.
-            (_, Err(Error::MembersMissing { ranks, .. })) if paths.kernel() => {
+            // The aggregator (either path) keeps whichever length claimed a
+            // slot first and drops the other: PENDING answers then name the
+            // ranks whose contributions it dropped (rank 1, or, seen from
+            // rank 1 when its chunk came first, the others), never the
+            // asking rank itself.
+            (_, Err(Error::MembersMissing { ranks, .. })) => {
                 let plausible = !ranks.is_empty() && !ranks.contains(&rank) && (rank == 1 || ranks == &[1]);
                 if !plausible {
                     bad.push(format!("rank {rank}: missing ranks {ranks:?}, want [1] (or others seen from rank 1)"));
@@ -1047,20 +1048,16 @@ fn bad_input(test: &str, paths: Paths) {
     let AggOutcome { user: astats, mismatches, kernel } = agg.finish();
     let mut bad = Vec::new();
     for (rank, (out, stats)) in &results {
-        // The kernel aggregator's PENDING answers name the member whose
-        // contribution is missing (mismatching, or never sent after a NaN);
-        // the user-space aggregator sends none: a plain timeout.
+        // The aggregator's PENDING answers (both paths) name the member
+        // whose contribution is missing (mismatching, or never sent after a
+        // NaN).
         let expect: [&str; 6] = [
             // (whichever length reached the kernel first is kept: the
             // members with the other one are never counted, get no PENDING
             // and time out; the others are told who is missing)
             "Err(",
             "Ok([6])",
-            match (*rank, paths.kernel()) {
-                (1, _) => "NonFinite 17",
-                (_, true) => "MembersMissing [1]",
-                (_, false) => "Timeout",
-            },
+            if *rank == 1 { "NonFinite 17" } else { "MembersMissing [1]" },
             "Ok([1.5])",
             "Overflow element 2 sums to 3000000000",
             "Ok([1, 2, 1000000000, 4])",
@@ -1069,8 +1066,7 @@ fn bad_input(test: &str, paths: Paths) {
             bad.push(format!("rank {rank}: {} steps ran", out.len()));
         }
         for (i, (got, want)) in out.iter().zip(expect).enumerate() {
-            let step0_ok =
-                i != 0 || got.starts_with("Err(Timeout") || (paths.kernel() && got.starts_with("Err(MembersMissing"));
+            let step0_ok = i != 0 || got.starts_with("Err(Timeout") || got.starts_with("Err(MembersMissing");
             if !got.starts_with(want) || !step0_ok {
                 bad.push(format!("rank {rank}: step {i}: got {got}, expected {want}..."));
             }

@@ -46,7 +46,7 @@ use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
     Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ACK,
-    T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
 use acks::AckBatch;
 use combine::{combine, encode_result};
@@ -424,6 +424,7 @@ impl UserAggregator {
             }
             if seen & bit != 0 {
                 self.stats.dup += 1;
+                self.answer_pending(h, base, slot_meta.expected & !seen);
                 return;
             }
             if !self.admitted(h, sink) {
@@ -654,6 +655,37 @@ impl UserAggregator {
         let only = 1u64 << (rank as usize - base);
         self.arena[start + 16..start + 24].copy_from_slice(&only.to_be_bytes());
         self.out.push((to, start, len));
+    }
+
+    /// A PENDING answer to `h` (a retransmission of a counted contribution)
+    /// naming the contributors its chunk still waits for, as xdp_agg answers:
+    /// a contributor that keeps hearing the same ranks named fails with
+    /// Error::MembersMissing naming them, not with a timeout that blames
+    /// the aggregator.
+    fn answer_pending(&mut self, h: &Header, base: usize, missing: u64) {
+        let Some(Some(to)) = self.members.get(h.src_rank as usize).copied() else { return };
+        let p = Header {
+            version: VERSION,
+            msg_type: T_AGG_PENDING,
+            flags: h.flags & F_LAST_FRAG,
+            job_id: self.cfg.job_id,
+            src_rank: self.cfg.my_rank,
+            mask_base: h.mask_base,
+            dst_mask: 1u64 << (h.src_rank as usize - base),
+            msg_seq: h.msg_seq,
+            frag_off: h.frag_off,
+            msg_len: h.msg_len,
+            payload_len: 8,
+            agg_op: h.agg_op,
+            dtype: h.dtype,
+        };
+        let mut hb = [0u8; HDR_LEN];
+        p.encode(&mut hb);
+        let start = self.arena.len();
+        self.arena.extend_from_slice(&hb);
+        self.arena.extend_from_slice(&missing.to_be_bytes());
+        self.out.push((to, start, HDR_LEN + 8));
+        self.stats.pending += 1;
     }
 
     /// Answers waiting for [`flush`](Self::flush).
@@ -913,9 +945,13 @@ mod tests {
         feed(&mut a, &contrib(2, 0, 0, &[2, 2, 2, 2], 4, OP_SUM, true), 2, &mut out);
         feed(&mut a, &contrib(3, 0, 0, &[3, 3, 3, 3], 4, OP_SUM, true), 3, &mut out);
         let ans = answers(&mut a);
-        assert_eq!(ans.len(), 3);
-        assert_eq!(i32s(&ans[0].2), vec![6; 4], "the duplicate was not added");
-        assert_eq!(a.stats().dup, 1);
+        assert_eq!(ans.len(), 4, "a PENDING to the duplicate, then 3 RESULTs");
+        // The duplicate is answered at once with who the chunk waits for.
+        let (to, h, p) = &ans[0];
+        assert_eq!((*to, h.msg_type, h.dst_mask, h.src_rank), (1, T_AGG_PENDING, 1 << 1, 0));
+        assert_eq!(p, &0b1100u64.to_be_bytes().to_vec(), "PENDING names ranks 2 and 3");
+        assert_eq!(i32s(&ans[1].2), vec![6; 4], "the duplicate was not added");
+        assert_eq!((a.stats().dup, a.stats().pending), (1, 1));
         // Retransmission after completion: answered to rank 2 only.
         feed(&mut a, &contrib(2, 0, 0, &[2, 2, 2, 2], 4, OP_SUM, true), 2, &mut out);
         let ans = answers(&mut a);

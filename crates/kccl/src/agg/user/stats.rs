@@ -27,6 +27,9 @@ pub struct AggStats {
     pub ack_batches: u64,
     /// Contribution already counted (slot still active).
     pub dup: u64,
+    /// PENDING answers to such duplicates, naming the contributors the
+    /// chunk still waits for (as xdp_agg sends them).
+    pub pending: u64,
     /// Contribution for a finished chunk: the answer was sent again.
     pub dup_done: u64,
     /// Slot held by another live chunk: dropped (the sender retransmits).
