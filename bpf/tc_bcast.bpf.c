@@ -121,7 +121,7 @@ int kccl_tc_bcast(struct __sk_buff *skb)
 	/* Other kccl packets leaving this host (a receiver's broadcast ACKs,
 	 * aggregation traffic of every type) are unicast: never fanned out,
 	 * whatever their flags say. */
-	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_AGG_ACKS)
+	if (h.type >= KCCL_T_AGG && h.type <= KCCL_T_AGG_ABORT)
 		goto pass;
 	if (h.type != KCCL_T_BCAST || bpf_ntohs(h.payload_len) != pay_len)
 		goto malformed;

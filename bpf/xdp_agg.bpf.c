@@ -561,7 +561,8 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	if (h->type != KCCL_T_AGG) {
 		if (h->type == KCCL_T_BCAST || h->type == KCCL_T_AGG_RESULT || h->type == KCCL_T_AGG_ACK ||
 		    h->type == KCCL_T_AGG_PENDING || h->type == KCCL_T_BCAST_ACK ||
-		    h->type == KCCL_T_AGG_SYNC || h->type == KCCL_T_AGG_SYNC_ACK || h->type == KCCL_T_AGG_ACKS)
+		    h->type == KCCL_T_AGG_SYNC || h->type == KCCL_T_AGG_SYNC_ACK || h->type == KCCL_T_AGG_ACKS ||
+		    h->type == KCCL_T_AGG_ABORT)
 			goto pass;
 		goto malformed;
 	}

@@ -55,7 +55,25 @@ enum kccl_msg_type {
 	 * is taken.  msg_len, agg_op, dtype as in the contributions;
 	 * dst_mask = the contributor's bit. */
 	KCCL_T_AGG_ACKS = 10,
+	/* Any member of an operation -> the others (contributors, aggregator
+	 * or root), no FANOUT: the operation cannot complete and why, so
+	 * nobody waits out the deadline for a contribution that will never
+	 * come.  msg_seq = the op id of the call's first operation (call * 4:
+	 * it covers every operation of the call), src_rank = the rank that
+	 * found the problem, mask_base/dst_mask = the call's contributors;
+	 * payload = one byte enum kccl_abort_reason, then UTF-8 text (at most
+	 * KCCL_AGG_ABORT_MAX_TEXT bytes) saying what the user must fix. */
+	KCCL_T_AGG_ABORT = 11,
 };
+
+/* enum kccl_abort_reason: the first payload byte of KCCL_T_AGG_ABORT. */
+enum kccl_abort_reason {
+	KCCL_ABORT_NON_FINITE	= 1,	/* NaN or infinity in a member's float input */
+	KCCL_ABORT_OVERFLOW	= 2,	/* the result does not fit the element type */
+	KCCL_ABORT_MISMATCH	= 3,	/* members passed different lengths, ops or types */
+};
+
+#define KCCL_AGG_ABORT_MAX_TEXT 512
 
 /* Largest KCCL_T_AGG_ACKS bitmap: 8192 chunks, fits a 1500-byte MTU. */
 #define KCCL_AGG_ACKS_MAX_BYTES	1024

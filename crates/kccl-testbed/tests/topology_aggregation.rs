@@ -51,7 +51,7 @@ use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element, Path, 
 use kccl::error::Error;
 use kccl::group::{Group, Member};
 use kccl::netns;
-use kccl::wire::{Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
+use kccl::wire::{AbortReason, Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 
 #[path = "../../kccl/tests/support/mod.rs"]
@@ -927,6 +927,14 @@ fn bad_input(test: &str, paths: Paths) {
             // its map); the root then times out with the hint.
             (3, Err(Error::Timeout { what, .. })) if paths.kernel() && what.contains("same length") => {}
             (3, other) => bad.push(format!("root: expected Error::Mismatch naming rank 1, got {other:?}")),
+            // A root that found the mismatch itself (its user-space
+            // aggregator saw rank 1's contribution) tells the contributors at
+            // once, naming rank 1's length.
+            (_, Err(Error::Aborted { rank: 3, reason: AbortReason::Mismatch, detail, .. })) => {
+                if !detail.contains("rank 1") {
+                    bad.push(format!("rank {rank}: the root's abort does not name rank 1: {detail}"));
+                }
+            }
             (_, Err(Error::Timeout { what, .. })) => {
                 if !(what.contains("unanswered") && what.contains("chunks 0")) {
                     bad.push(format!("rank {rank}: timeout does not name the missing chunks: {what}"));
@@ -936,11 +944,15 @@ fn bad_input(test: &str, paths: Paths) {
             // slot first and drops the other: PENDING answers then name the
             // ranks whose contributions it dropped (rank 1, or, seen from
             // rank 1 when its chunk came first, the others), never the
-            // asking rank itself.
+            // asking rank itself.  A member that gave up first stops
+            // retransmitting; once the sweep freed the chunk's slot, a later
+            // PENDING names it too (seen 1 time in 6 runs: [0, 1] at rank 2).
             (_, Err(Error::MembersMissing { ranks, .. })) => {
-                let plausible = !ranks.is_empty() && !ranks.contains(&rank) && (rank == 1 || ranks == &[1]);
+                let plausible = !ranks.is_empty() && !ranks.contains(&rank) && (rank == 1 || ranks.contains(&1));
                 if !plausible {
-                    bad.push(format!("rank {rank}: missing ranks {ranks:?}, want [1] (or others seen from rank 1)"));
+                    bad.push(format!(
+                        "rank {rank}: missing ranks {ranks:?}, want 1 among them (or others seen from rank 1)"
+                    ));
                 }
             }
             (_, other) => bad.push(format!("rank {rank}: expected a timeout, got {other:?}")),
@@ -1020,6 +1032,7 @@ fn bad_input(test: &str, paths: Paths) {
                     Err(Error::NonFinite { index }) => format!("NonFinite {index}"),
                     Err(Error::Timeout { .. }) => "Timeout".into(),
                     Err(Error::MembersMissing { ranks, .. }) => format!("MembersMissing {ranks:?}"),
+                    Err(Error::Aborted { rank, reason, .. }) => format!("Aborted by {rank}: {reason:?}"),
                     other => format!("{other:?}"),
                 });
                 sync.wait();
@@ -1049,15 +1062,16 @@ fn bad_input(test: &str, paths: Paths) {
     let mut bad = Vec::new();
     for (rank, (out, stats)) in &results {
         // The aggregator's PENDING answers (both paths) name the member
-        // whose contribution is missing (mismatching, or never sent after a
-        // NaN).
+        // whose contribution is missing (mismatching).
         let expect: [&str; 6] = [
             // (whichever length reached the kernel first is kept: the
             // members with the other one are never counted, get no PENDING
             // and time out; the others are told who is missing)
             "Err(",
             "Ok([6])",
-            if *rank == 1 { "NonFinite 17" } else { "MembersMissing [1]" },
+            // (rank 1 finds the NaN before it sends anything and tells the
+            // others at once)
+            if *rank == 1 { "NonFinite 17" } else { "Aborted by 1: NonFinite" },
             "Ok([1.5])",
             "Overflow element 2 sums to 3000000000",
             "Ok([1, 2, 1000000000, 4])",

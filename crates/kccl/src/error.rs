@@ -39,6 +39,11 @@ pub enum Error {
     )]
     MembersMissing { what: String, ranks: Vec<u16>, ms: u64 },
 
+    /// Another member of the call found it cannot complete and said why
+    /// (KCCL_T_AGG_ABORT): the cause is there, not at this member.
+    #[error("{what}: aborted by rank {rank} ({reason}): {detail}")]
+    Aborted { what: String, rank: u16, reason: crate::wire::AbortReason, detail: String },
+
     #[error("malformed packet: {0}")]
     Wire(#[from] crate::wire::WireError),
 
@@ -70,7 +75,7 @@ pub enum Error {
 
     #[error(
         "element {index} is NaN or infinite: float32 data can only be aggregated when finite \
-         (nothing was sent; the other members of the operation will time out)"
+         (nothing was sent; the other members of the operation were told and fail with this reason)"
     )]
     NonFinite { index: usize },
 

@@ -33,6 +33,46 @@ pub const T_AGG_SYNC_ACK: u8 = 9;
 /// (frag_off: the chunk of bit 0; bit i LSB first); answers contributions
 /// with [`F_ACK_LATER`].
 pub const T_AGG_ACKS: u8 = 10;
+/// Any member of a call -> the others: the call cannot complete, and why
+/// (msg_seq = the call's first op id, call * 4; payload = one byte
+/// [`AbortReason`], then UTF-8 text of at most [`AGG_ABORT_MAX_TEXT`] bytes).
+pub const T_AGG_ABORT: u8 = 11;
+/// Longest explanation an abort carries (KCCL_AGG_ABORT_MAX_TEXT).
+pub const AGG_ABORT_MAX_TEXT: usize = 512;
+/// Why a call was aborted (enum kccl_abort_reason, the first payload byte
+/// of [`T_AGG_ABORT`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AbortReason {
+    /// NaN or infinity in a member's float input.
+    NonFinite = 1,
+    /// The result does not fit the element type.
+    Overflow = 2,
+    /// Members passed different lengths, ops or element types.
+    Mismatch = 3,
+}
+
+impl AbortReason {
+    pub fn from_wire(b: u8) -> Option<AbortReason> {
+        match b {
+            1 => Some(AbortReason::NonFinite),
+            2 => Some(AbortReason::Overflow),
+            3 => Some(AbortReason::Mismatch),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AbortReason::NonFinite => "non-finite input",
+            AbortReason::Overflow => "overflow",
+            AbortReason::Mismatch => "mismatched calls",
+        })
+    }
+}
+
 /// Largest [`T_AGG_ACKS`] bitmap (KCCL_AGG_ACKS_MAX_BYTES).
 pub const AGG_ACKS_MAX_BYTES: usize = 1024;
 pub const F_FANOUT: u16 = 1 << 0;
@@ -418,6 +458,11 @@ mod tests {
             ("KCCL_T_AGG_SYNC_ACK", T_AGG_SYNC_ACK as i64),
             ("KCCL_T_AGG_ACKS", T_AGG_ACKS as i64),
             ("KCCL_AGG_ACKS_MAX_BYTES", AGG_ACKS_MAX_BYTES as i64),
+            ("KCCL_T_AGG_ABORT", T_AGG_ABORT as i64),
+            ("KCCL_AGG_ABORT_MAX_TEXT", AGG_ABORT_MAX_TEXT as i64),
+            ("KCCL_ABORT_NON_FINITE", AbortReason::NonFinite as i64),
+            ("KCCL_ABORT_OVERFLOW", AbortReason::Overflow as i64),
+            ("KCCL_ABORT_MISMATCH", AbortReason::Mismatch as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),

@@ -44,8 +44,8 @@ use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ACK, T_AGG_ACKS,
-    T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
+    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ABORT, T_AGG_ACK,
+    T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
 };
 
 mod support;
@@ -1035,9 +1035,9 @@ fn fixtures() -> Vec<Fixture> {
     }
     {
         let mut c = one(&mut ids);
-        // The first type kccl does not define (KCCL_T_AGG_ACKS is the last).
-        c.msg_type = T_AGG_ACKS + 1;
-        t.push(malformed("type 11", c.build()));
+        // The first type kccl does not define (KCCL_T_AGG_ABORT is the last).
+        c.msg_type = T_AGG_ABORT + 1;
+        t.push(malformed("type 12", c.build()));
     }
     {
         let mut c = one(&mut ids);
@@ -1693,6 +1693,17 @@ fn fixtures() -> Vec<Fixture> {
         acks.payload = vec![0b1011, 0x80];
         let mut f = Fixture::new("ACKS (a root's bitmap of taken chunks) passes to user space untouched", a);
         f.pass(&acks, acks.build());
+        f.stats = stats(|s| s.passed = 1);
+        t.push(f);
+    }
+    {
+        // A member's abort of a call reaching a member or the aggregator
+        // that runs xdp_agg: the runtime's, passed untouched.
+        let mut abort = Contrib::receipt(3, 8, 64 * 1432);
+        abort.msg_type = T_AGG_ABORT;
+        abort.payload = [&[1u8][..], b"rank 3: element 17 is NaN"].concat();
+        let mut f = Fixture::new("ABORT (a member's reason to end a call) passes to user space untouched", a);
+        f.pass(&abort, abort.build());
         f.stats = stats(|s| s.passed = 1);
         t.push(f);
     }

@@ -48,8 +48,8 @@ use kccl::kernel::{BcastFanout, BcastStats, MissEvent, MissReason, CLONE_MARK};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_BCAST,
-    T_BCAST_ACK, VERSION,
+    BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, T_AGG, T_AGG_ABORT, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT,
+    T_BCAST, T_BCAST_ACK, VERSION,
 };
 
 mod support;
@@ -589,7 +589,9 @@ fn fixtures() -> Vec<Fixture> {
             passed(),
         ));
     }
-    for (ty, name) in [(T_AGG_PENDING, "PENDING"), (T_AGG_RECEIPT, "RECEIPT"), (T_AGG_ACKS, "ACKS")] {
+    for (ty, name) in
+        [(T_AGG_PENDING, "PENDING"), (T_AGG_RECEIPT, "RECEIPT"), (T_AGG_ACKS, "ACKS"), (T_AGG_ABORT, "ABORT")]
+    {
         // The other aggregation types leaving the host: passed and counted
         // as such, never malformed.
         let mut h = header(mask_of(&[1, 2, 3], 0), 0);

@@ -57,7 +57,8 @@ impl Collective {
                 // per chunk); the int32 result needs ceil(log2 n) headroom.
                 Quant::Auto => {
                     let mut exps = Vec::new();
-                    quant::block_exponents(f, self.chunk / 4, &mut exps)?;
+                    let r = quant::block_exponents(f, self.chunk / 4, &mut exps);
+                    self.or_abort(r, call, set, agg)?;
                     let spec = self.spec(&what, call * 4, AggOp::Max, agg, agg_addr, set, true, false);
                     let mut agreed = vec![0i32; exps.len()];
                     let fin = finish_of(&Enc::I32(&exps), AggOp::Max, set.count);
@@ -69,12 +70,13 @@ impl Collective {
                     scales = agreed.iter().map(|&e| quant::auto_scale(e, h)).collect();
                 }
                 Quant::Fixed(s) => {
-                    quant::check_fixed(f, s)?;
+                    self.or_abort(quant::check_fixed(f, s), call, set, agg)?;
                     scales = vec![s];
                 }
             }
         }
-        let enc = self.encoding(src, op, &scales, &[])?;
+        let enc = self.encoding(src, op, &scales, &[]);
+        let enc = self.or_abort(enc, call, set, agg)?;
         let fin = finish_of(&enc, op, set.count);
         let spec = self.spec(&what, call * 4 + 1, op, agg, agg_addr, set, true, false);
         let (_, overflowed) = self.run_allreduce(spec, enc, fin, &mut T::dst(&mut out))?;

@@ -82,6 +82,10 @@ pub struct CollectiveStats {
     /// Reduce chunks of calls this root had already finished (or given up
     /// on) when they completed: dropped.
     pub stale_chunks: u64,
+    /// Calls this member aborted for the others (KCCL_T_AGG_ABORT sent:
+    /// its own input was bad, or as a reduce root it found the result
+    /// overflowing or the members' calls mismatched).
+    pub aborts_sent: u64,
     pub contrib: ContribStats,
     /// The user-space aggregator of this member (reduce root, USER_ONLY).
     pub agg: AggStats,

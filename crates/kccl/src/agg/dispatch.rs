@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::sock::{BatchSocket, RecvBatch};
-use crate::wire::{Header, T_AGG, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
+use crate::wire::{Header, T_AGG, T_AGG_ABORT, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
 
 use super::backend::AggBackend;
 use super::config::CollectiveStats;
@@ -65,6 +65,14 @@ pub(super) fn pump(
                     None => stats.contrib.stale_answers += 1,
                 }
             }
+            // Another member ended the call: its contributor side or, on a
+            // reduce root, the root's wait fails with the reason.
+            Ok((h, p)) if h.msg_type == T_AGG_ABORT => match contrib.as_mut() {
+                Some((c, _)) => {
+                    c.on_abort(&h, p, from);
+                }
+                None => sink.abort(&h, p, from),
+            },
             _ => stats.other_datagrams += 1,
         }
     }

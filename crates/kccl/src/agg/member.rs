@@ -51,6 +51,7 @@
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
+use crate::agg::abort::{Abort, Peers, Received};
 use crate::agg::codec::Enc;
 use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
 use crate::error::{Error, Result};
@@ -89,6 +90,8 @@ pub struct ContribStats {
     pub overflow_chunks: u64,
     /// PENDING answers (a retransmission the aggregator had already counted).
     pub pending: u64,
+    /// Aborts of the call by another member (KCCL_T_AGG_ABORT) taken.
+    pub aborts: u64,
     /// Congestion window halvings (timeouts, bursts of fast retransmissions).
     pub window_cuts: u64,
     /// Smallest congestion window used (chunks; 0: no operation yet).
@@ -114,6 +117,7 @@ impl ContribStats {
         self.bad_answers += o.bad_answers;
         self.overflow_chunks += o.overflow_chunks;
         self.pending += o.pending;
+        self.aborts += o.aborts;
         self.window_cuts += o.window_cuts;
         if o.window_min != 0 {
             self.window_min = if self.window_min == 0 { o.window_min } else { self.window_min.min(o.window_min) };
@@ -141,6 +145,8 @@ pub struct Spec {
     pub user_only: bool,
     pub mask_base: u16,
     pub mask: u64,
+    /// The call's other members: whom an abort of the call may come from.
+    pub peers: Peers,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -207,6 +213,8 @@ pub enum Verdict {
     Duplicate,
     /// A PENDING answer: who the aggregator still waits for.
     Pending,
+    /// Another member aborted the call (KCCL_T_AGG_ABORT).
+    Aborted,
     Stale,
     Bad,
 }
@@ -252,6 +260,10 @@ pub struct Contributor<'e> {
     /// (intersection: a live member can look missing in one slot that was
     /// just re-claimed, a dead one is missing in all); None: no PENDING.
     missing: Option<u64>,
+    /// Another member's abort of this call: the call fails with it at once.
+    abort: Option<Abort>,
+    /// An abort of a later call (first op id), for the caller to keep.
+    ahead: Option<(u32, Abort)>,
     pub stats: ContribStats,
 }
 
@@ -285,6 +297,8 @@ impl<'e> Contributor<'e> {
             overflowed: Vec::new(),
             cwnd,
             missing: None,
+            abort: None,
+            ahead: None,
             stats: ContribStats {
                 window_min: cwnd.chunks() as u64,
                 window_max: cwnd.chunks() as u64,
@@ -648,9 +662,42 @@ impl<'e> Contributor<'e> {
         due.max(Duration::from_micros(200))
     }
 
+    /// Handles a KCCL_T_AGG_ABORT datagram: another member of this call
+    /// found it cannot complete (checked against the call's members).
+    pub fn on_abort(&mut self, h: &Header, payload: &[u8], from: SocketAddrV4) -> Verdict {
+        match self.spec.peers.receive(h, payload, from) {
+            Received::Abort(a) => {
+                self.abort.get_or_insert(a);
+                self.stats.aborts += 1;
+                Verdict::Aborted
+            }
+            Received::Ahead { call_op, abort } => {
+                self.ahead = Some((call_op, abort));
+                Verdict::Stale
+            }
+            Received::Stale => {
+                self.stats.stale_answers += 1;
+                Verdict::Stale
+            }
+            Received::Bad => {
+                self.stats.bad_answers += 1;
+                Verdict::Bad
+            }
+        }
+    }
+
+    /// An abort received for a later call: (its first op id, the abort).
+    pub fn take_ahead(&mut self) -> Option<(u32, Abort)> {
+        self.ahead.take()
+    }
+
+    /// Error::Aborted at once when another member aborted the call, else
     /// Error::MembersMissing (the aggregator named who it waits for) or
     /// Error::Timeout once no answer came for `deadline`.
     pub fn check_deadline(&self, now: Instant) -> Result<()> {
+        if let Some(a) = &self.abort {
+            return Err(a.error(&self.spec.what));
+        }
         let since = now.duration_since(self.last_progress);
         if since < self.t.deadline {
             return Ok(());
@@ -749,6 +796,7 @@ mod tests {
             user_only: false,
             mask_base: 0,
             mask,
+            peers: Peers::of(g, op_id, 0, mask, 0, rank),
         }
     }
 

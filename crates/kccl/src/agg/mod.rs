@@ -28,6 +28,7 @@
 //! user/, the kernel in kernel_backend.rs); the aggregator service
 //! (aggregator.rs).
 
+pub mod abort;
 pub mod codec;
 pub mod member;
 pub mod packet;
@@ -108,6 +109,9 @@ pub struct Collective {
     /// Whether the first call's number was agreed with an aggregator
     /// (KCCL_T_AGG_SYNC).
     synced: bool,
+    /// Another member's abort of a call this member had not started when
+    /// it arrived: (the call's first op id, the abort).
+    abort_ahead: Option<(u32, abort::Abort)>,
 }
 
 fn chunk_list(cs: &[usize]) -> String {
@@ -162,6 +166,7 @@ impl Collective {
             excluded: Vec::new(),
             last_root: None,
             synced: false,
+            abort_ahead: None,
         })
     }
 
@@ -269,6 +274,25 @@ impl Collective {
 
     fn protocol_error(&self, what: &str, msg: &str) -> Error {
         Error::Usage(format!("{what}: {msg} (protocol error; check that every member runs the same kccl version)"))
+    }
+
+    /// Tells the call's other members (contributors in `set` and the
+    /// aggregator or root `agg`) that the call cannot complete when `e` is
+    /// an error of this member's own part of it (abort.rs), then returns
+    /// `e`.  Best effort: a lost abort leaves them their deadline error.
+    fn announce(&mut self, call: u32, set: Contributors, agg: u16, e: Error) -> Error {
+        if let Some(reason) = abort::reason_of(&e) {
+            let peers = abort::Peers::of(&self.group, call * 4, set.base, set.mask, agg, self.me.rank);
+            if peers.send(&self.sock, self.me.rank, set.base, set.mask, reason, &e.to_string()).is_ok() {
+                self.stats.aborts_sent += 1;
+            }
+        }
+        e
+    }
+
+    /// `r`, announced to the call's other members if it is such an error.
+    fn or_abort<V>(&mut self, r: Result<V>, call: u32, set: Contributors, agg: u16) -> Result<V> {
+        r.map_err(|e| self.announce(call, set, agg, e))
     }
 
     fn addr_of(&self, rank: u16) -> Result<SocketAddrV4> {

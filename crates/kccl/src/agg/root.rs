@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::wire::{Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, MASK_BITS, OP_MAX};
 
+use super::abort::{Peers, Received};
 use super::codec::{Dst, FinEnc, Finish, OutOfRange, Src};
 use super::config::CollectiveStats;
 use super::dispatch::pump;
@@ -147,6 +148,8 @@ pub(super) struct RootState<'a> {
     block: usize,
     pending: Vec<(usize, Vec<i64>)>,
     error: Option<Error>,
+    /// The call's contributors: whom an abort of the call may come from.
+    peers: Peers,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,6 +295,14 @@ impl<'s, 'a> RootSink<'s, 'a> {
 }
 
 impl AggSink for RootSink<'_, '_> {
+    fn abort(&mut self, h: &Header, payload: &[u8], from: std::net::SocketAddrV4) {
+        if let Some(st) = self.state.as_deref_mut() {
+            if let Received::Abort(a) = st.peers.receive(h, payload, from) {
+                st.error.get_or_insert_with(|| a.error(&st.what));
+            }
+        }
+    }
+
     fn admit(&mut self, h: &Header) -> Admit {
         if let Some(st) = self.state.as_deref_mut() {
             let which =
@@ -434,7 +445,7 @@ impl Collective {
         let own_src = own.map(T::src);
         if let Some(Src::F32(f)) = own_src {
             if let Some(index) = quant::first_non_finite(f) {
-                return Err(Error::NonFinite { index });
+                return Err(self.announce(call, set, me, Error::NonFinite { index }));
             }
         }
         let block_elems = self.chunk / 4;
@@ -516,6 +527,7 @@ impl Collective {
             block,
             pending: Vec::new(),
             error: None,
+            peers: Peers::of(&self.group, main.op_id, set.base, set.mask, self.me.rank, self.me.rank),
         };
         // Chunks that completed before this call; forget older ones.
         let early = self.stash.take_call(call, main.op_id);
@@ -524,7 +536,7 @@ impl Collective {
         }
         loop {
             if let Some(e) = st.error.take() {
-                return Err(e);
+                return Err(self.announce(call, set, me, e));
             }
             if st.complete() {
                 break;

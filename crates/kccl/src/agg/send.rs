@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+use super::abort::{self, Peers};
 use super::allreduce::finish_of;
 use super::codec::{Dst, Enc, Src};
 use super::config::SendReport;
@@ -50,7 +51,8 @@ impl Collective {
                 // root keeps int64 sums: no headroom needed.
                 Quant::Auto => {
                     let mut exps = Vec::new();
-                    quant::block_exponents(f, self.chunk / 4, &mut exps)?;
+                    let r = quant::block_exponents(f, self.chunk / 4, &mut exps);
+                    self.or_abort(r, call, set, to)?;
                     check_len::<T>(&what, data.len(), exps.len())?;
                     let spec = self.spec(&what, call * 4, AggOp::Max, to, to_addr, set, true, false);
                     agreed = vec![0i32; exps.len()];
@@ -62,13 +64,14 @@ impl Collective {
                     scales = agreed.iter().map(|&e| quant::auto_scale(e, 0)).collect();
                 }
                 Quant::Fixed(s) => {
-                    quant::check_fixed(f, s)?;
+                    self.or_abort(quant::check_fixed(f, s), call, set, to)?;
                     scales = vec![s];
                 }
             }
         }
         check_len::<T>(&what, data.len(), agreed.len())?;
-        let enc = self.encoding(src, op, &scales, &agreed)?;
+        let enc = self.encoding(src, op, &scales, &agreed);
+        let enc = self.or_abort(enc, call, set, to)?;
         let spec = self.spec(&what, call * 4 + 1, op, to, to_addr, set, false, false);
         let (st, _) = self.contribute(spec, enc, &mut |_, _, _| {})?;
         report.chunks = st.chunks as usize;
@@ -103,6 +106,7 @@ impl Collective {
             user_only,
             mask_base: set.base,
             mask: set.mask,
+            peers: Peers::of(&self.group, op_id, set.base, set.mask, agg, self.me.rank),
         }
     }
 
@@ -148,6 +152,17 @@ impl Collective {
         enc: Enc<'_>,
         decode: &mut dyn FnMut(usize, &[u8], bool),
     ) -> Result<(ContribStats, Vec<usize>)> {
+        // Another member aborted this call while this one was still in an
+        // earlier call: fail before sending anything.
+        if let Some((op, a)) = self.abort_ahead.take() {
+            if op == abort::call_op(spec.op_id) {
+                self.stats.contrib.aborts += 1;
+                return Err(a.error(&spec.what));
+            }
+            if op.wrapping_sub(abort::call_op(spec.op_id)) <= 8 * 4 {
+                self.abort_ahead = Some((op, a)); // still ahead of this call
+            }
+        }
         let agg_rank = spec.agg_rank;
         let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window_chunks(self.chunk)));
         let mut c = Contributor::new(spec, enc, self.timing(), cwnd);
@@ -184,6 +199,9 @@ impl Collective {
             }
         };
         self.cwnds.insert(agg_rank, c.cwnd);
+        if let Some(x) = c.take_ahead() {
+            self.abort_ahead = Some(x);
+        }
         // Done or given up: either way this member wants no more answers of
         // the operation, so the aggregator may reuse its slots.  Best effort
         // (if lost, the slots are reused cfg_slot_timeout after completion).

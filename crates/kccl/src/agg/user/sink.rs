@@ -2,6 +2,8 @@
 //! new chunk and delivery of a completed one (the root's stash, the kernel
 //! path's ring-buffer reader, or nothing when only allreduce is served).
 
+use std::net::SocketAddrV4;
+
 use crate::wire::{Header, F_ALLREDUCE};
 
 /// A completed reduce chunk: the int64 accumulators and what they are.
@@ -44,6 +46,9 @@ pub trait AggSink {
     fn room(&self) -> usize {
         usize::MAX
     }
+    /// A KCCL_T_AGG_ABORT datagram (`payload` its reason and text) from
+    /// `from`: a reduce root waiting for that call fails with it.
+    fn abort(&mut self, _h: &Header, _payload: &[u8], _from: SocketAddrV4) {}
 }
 
 /// The allreduce service: every allreduce contribution is taken; reduce
