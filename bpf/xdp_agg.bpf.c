@@ -724,41 +724,60 @@ pass:
  * kccl_agg_sweep: frees ACTIVE slots claimed longer than cfg_slot_timeout_ns
  * ago (an operation whose member died leaves them behind; a live chunk that
  * loses its slot is only delayed: its contributors have no answer and
- * retransmit into a fresh slot, each counted once).  Not attached: the
- * runtime runs it with BPF_PROG_TEST_RUN (AggEngine::sweep), one pass over
- * the slots, each under its lock.  Counted in KCCL_AS_SWEPT.
+ * retransmit into a fresh slot, each counted once), and with a request
+ * (struct kccl_agg_sweep_req at the start of the data, KCCL_SWEEP_CALL) the
+ * ACTIVE slots of one aborted call at once.  Not attached: the runtime runs
+ * it with BPF_PROG_TEST_RUN (AggEngine::sweep, AggEngine::free_call), one
+ * pass over the slots, each under its lock.  Counted in KCCL_AS_SWEPT and
+ * KCCL_AS_ABORT_FREED.
  */
 struct sweep_ctx {
 	__u64 now;
-	__u64 freed;
+	__u32 call_op;
+	__u32 call;		/* KCCL_SWEEP_CALL given */
 };
 
+/* One slot: counted here (after the unlock: no helper calls under a lock),
+ * not in the context, which stays read-only so that the verifier's pass
+ * over the callback converges. */
 static long sweep_one(__u32 i, void *ctx)
 {
 	struct sweep_ctx *x = ctx;
 	struct kccl_agg_slot *s;
-	__u32 idx = i;
+	__u32 idx = i, freed = 0;
 
 	s = bpf_map_lookup_elem(&agg_slots, &idx);
 	if (!s)
 		return 1;
 	bpf_spin_lock(&s->lock);
-	if (s->state == KCCL_SLOT_ACTIVE && x->now - s->claimed_ns > cfg_slot_timeout_ns) {
-		s->state = KCCL_SLOT_FREE;
-		x->freed++;
+	if (s->state == KCCL_SLOT_ACTIVE) {
+		if (x->call && s->rec.job_id == cfg_job_id && (s->rec.op_id & ~3U) == x->call_op) {
+			s->state = KCCL_SLOT_FREE;
+			freed = KCCL_AS_ABORT_FREED;
+		} else if (x->now - s->claimed_ns > cfg_slot_timeout_ns) {
+			s->state = KCCL_SLOT_FREE;
+			freed = KCCL_AS_SWEPT;
+		}
 	}
 	bpf_spin_unlock(&s->lock);
+	if (freed)
+		stat_add(freed, 1);
 	return 0;
 }
 
 SEC("xdp")
 int kccl_agg_sweep(struct xdp_md *ctx)
 {
-	struct sweep_ctx x = { .now = bpf_ktime_get_ns(), .freed = 0 };
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct kccl_agg_sweep_req *req = data;
+	struct sweep_ctx x = { .now = bpf_ktime_get_ns() };
 
+	if ((void *)(req + 1) <= end && (req->flags & KCCL_SWEEP_CALL)) {
+		x.call = 1;
+		x.call_op = req->call_op & ~3U;
+	}
 	bpf_loop(cfg_nslots, sweep_one, &x, 0);
-	if (x.freed)
-		stat_add(KCCL_AS_SWEPT, x.freed);
 	return XDP_DROP;
 }
 

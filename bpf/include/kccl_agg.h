@@ -98,6 +98,20 @@ struct kccl_agg_slot {
 
 _Static_assert(sizeof(struct kccl_agg_slot) == 48 + KCCL_AGG_RECORD_HDR_LEN, "slot layout");
 
+/* The BPF_PROG_TEST_RUN input of kccl_agg_sweep (the first bytes of its
+ * data; all zero: the timeout sweep only).  With KCCL_SWEEP_CALL it also
+ * frees every ACTIVE slot of one call of the job at once (op ids call_op ..
+ * call_op + 3): a member aborted it (KCCL_T_AGG_ABORT), so no contribution
+ * of it will complete. */
+struct kccl_agg_sweep_req {
+	__u32 flags;		/* KCCL_SWEEP_CALL */
+	__u32 call_op;		/* the call's first op id (call * 4) */
+};
+
+#define KCCL_SWEEP_CALL 1
+
+_Static_assert(sizeof(struct kccl_agg_sweep_req) == 8, "sweep request layout");
+
 /* One sub-block's accumulators (agg_acc).  `gen` is the slot generation they
  * belong to: the first contribution of a newer generation resets `count` and
  * STORES its values (no initialisation pass at the claim); one of an older
@@ -142,6 +156,7 @@ enum kccl_agg_stat {
 	KCCL_AS_TRIMMED,	/* tc_agg_result: answers cut to their datagram */
 	KCCL_AS_ACKS_LATER,	/* reduce chunks recorded without an ACK (KCCL_F_ACK_LATER) */
 	KCCL_AS_NEXT_HOP_LEARNED, /* members[rank].mac set from a packet's source MAC */
+	KCCL_AS_ABORT_FREED,	/* ACTIVE slots of an aborted call freed (kccl_agg_sweep) */
 	KCCL_AS_NR,
 };
 

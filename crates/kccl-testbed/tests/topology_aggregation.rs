@@ -1100,6 +1100,12 @@ fn bad_input(test: &str, paths: Paths) {
             astats.not_member, kernel.not_member
         ));
     }
+    // Rank 1's abort of the NaN call reached the aggregator too (which then
+    // frees the slots the others' contributions claimed, if they came first:
+    // a race here, so checked by the fixtures and unit tests instead).
+    if astats.aborts == 0 {
+        bad.push(format!("aggregator: the NaN call's abort did not reach it: {astats:?}"));
+    }
     // Both paths: the redo's USER_ONLY packets reach the user-space aggregator.
     if astats.user_only == 0 {
         bad.push(format!("the redo did not reach the aggregator with USER_ONLY: {astats:?}"));

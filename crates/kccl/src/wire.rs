@@ -94,6 +94,9 @@ pub const OP_AVG: u8 = 5;
 pub const DT_I32: u8 = 1;
 pub const DT_I64: u8 = 2;
 pub const DT_F32Q: u8 = 3;
+/// kccl_agg_sweep_req.flags: the sweep also frees one aborted call's slots
+/// (KCCL_SWEEP_CALL).
+pub const SWEEP_CALL: u32 = 1;
 /// Bytes of a chunk the kernel combines under one lock (KCCL_AGG_SUB_BYTES).
 pub const AGG_SUB_BYTES: usize = 3432;
 /// Sub-blocks of the largest chunk (KCCL_AGG_MAX_SUBS).
@@ -485,6 +488,7 @@ mod tests {
         }
         assert_eq!(c_value(agg, "KCCL_AGG_SUB_BYTES"), AGG_SUB_BYTES as i64);
         assert_eq!(c_value(agg, "KCCL_AGG_MAX_SUBS"), AGG_MAX_SUBS as i64);
+        assert_eq!(c_value(agg, "KCCL_SWEEP_CALL"), SWEEP_CALL as i64);
         assert_eq!(AGG_MAX_PAYLOAD, 65208);
         assert_eq!(AGG_MAX_PAYLOAD % 8, 0, "chunks must hold whole int64 elements");
         // Golden values too, so a change to both sides is still noticed.

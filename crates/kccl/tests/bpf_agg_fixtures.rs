@@ -412,6 +412,9 @@ enum Step {
         rank: u16,
         mac: Option<[u8; 6]>,
     },
+    /// Free the ACTIVE slots of the call of this op id (AggEngine::free_call,
+    /// kccl_agg_sweep with a request).
+    FreeCall(u32),
     /// Read the ring buffer now (records join the fixture's list).
     Drain,
     /// Read at most `max` records now (AggEngine::poll_records_max); `want`
@@ -665,6 +668,32 @@ fn fixtures() -> Vec<Fixture> {
             s.results = 1;
         });
         f.slots = vec![(op_id, 0, SlotState::Done, mask_of(&ranks))];
+        t.push(f);
+    }
+    {
+        // An aborted call (KCCL_T_AGG_ABORT at the runtime): its ACTIVE slots
+        // are freed at once, another call's are not.
+        // op_a opens a call (op ids op_a .. op_a + 3) no other fixture uses.
+        let op_a = loop {
+            let op = ids.alloc(d, &[0]);
+            if op % 4 == 0 {
+                break op;
+            }
+        };
+        ids.next = op_a + 4;
+        let op_b = ids.alloc(d, &[0]);
+        let a = Contrib::new(1, op_a, SUM, I32, &ranks, &[1, 2]);
+        let b = Contrib::new(1, op_b, SUM, I32, &ranks, &[1, 2]);
+        let mut f = Fixture::new("free_call of an aborted call: its ACTIVE slot FREE, another call's kept", d);
+        f.drop(&a).drop(&b);
+        f.steps.push(Step::FreeCall(op_a + 1));
+        f.stats = stats(|s| {
+            s.pkts = 2;
+            s.abort_freed = 1;
+        });
+        // (Freeing changes the state only, as the sweep does: the bitmap
+        // is reset by the next claim.)
+        f.slots = vec![(op_a, 0, SlotState::Free, 1 << 1), (op_b, 0, SlotState::Active, 1 << 1)];
         t.push(f);
     }
     {
@@ -1863,6 +1892,11 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
     for (i, step) in fx.steps.iter().enumerate() {
         match step {
             Step::Sleep(d) => std::thread::sleep(*d),
+            Step::FreeCall(op) => {
+                if let Err(err) = e.free_call(*op) {
+                    errs.push(format!("step {i}: {err}"));
+                }
+            }
             Step::Member { rank, mac } => {
                 if let Err(err) = e.set_member(*rank, ip_of(*rank), port_of(*rank), *mac) {
                     errs.push(format!("step {i}: {err}"));

@@ -108,7 +108,9 @@ impl Aggregator {
             self.backend.poll(Duration::ZERO, usize::MAX, &mut sink)?;
         }
         let Aggregator { sock, rb, backend, .. } = self;
-        backend.user_mut().serve_batch(sock, rb, Some(wait), &mut sink)
+        let n = backend.user_mut().serve_batch(sock, rb, Some(wait), &mut sink)?;
+        backend.sync_aborts()?;
+        Ok(n)
     }
 }
 

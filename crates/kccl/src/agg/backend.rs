@@ -41,6 +41,33 @@ impl AggBackend {
         }
     }
 
+    /// Frees in the kernel the slots of the calls whose abort the
+    /// user-space side took (UserAggregator::take_abort; it freed its own):
+    /// at once, instead of after the slot timeout.
+    pub(super) fn sync_aborts(&mut self) -> Result<()> {
+        let calls = self.user_mut().take_aborted_calls();
+        #[cfg(feature = "kernel-agg")]
+        if let AggBackend::Kernel(k) = self {
+            for c in calls {
+                k.engine().free_call(c)?;
+            }
+        }
+        #[cfg(not(feature = "kernel-agg"))]
+        drop(calls);
+        Ok(())
+    }
+
+    /// Frees the ACTIVE slots of the call of op id `op_id` (any op of it),
+    /// in user space and in the kernel: the call was aborted.
+    pub(super) fn free_call(&mut self, op_id: u32) -> Result<()> {
+        self.user_mut().free_call(op_id);
+        match self {
+            AggBackend::User(_) => Ok(()),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.engine().free_call(op_id).map(|_| ()),
+        }
+    }
+
     pub(super) fn path(&self) -> Path {
         match self {
             AggBackend::User(_) => Path::User,

@@ -66,15 +66,20 @@ pub(super) fn pump(
                 }
             }
             // Another member ended the call: its contributor side or, on a
-            // reduce root, the root's wait fails with the reason.
-            Ok((h, p)) if h.msg_type == T_AGG_ABORT => match contrib.as_mut() {
-                Some((c, _)) => {
-                    c.on_abort(&h, p, from);
+            // reduce root, the root's wait fails with the reason; an
+            // aggregator frees the call's slots.
+            Ok((h, p)) if h.msg_type == T_AGG_ABORT => {
+                match contrib.as_mut() {
+                    Some((c, _)) => {
+                        c.on_abort(&h, p, from);
+                    }
+                    None => sink.abort(&h, p, from),
                 }
-                None => sink.abort(&h, p, from),
-            },
+                backend.user_mut().take_abort(&h, from);
+            }
             _ => stats.other_datagrams += 1,
         }
     }
+    backend.sync_aborts()?;
     backend.user_mut().flush(sock)
 }

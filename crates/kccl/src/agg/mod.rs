@@ -286,6 +286,11 @@ impl Collective {
             if peers.send(&self.sock, self.me.rank, set.base, set.mask, reason, &e.to_string()).is_ok() {
                 self.stats.aborts_sent += 1;
             }
+            // This member's own aggregator slots of the call (a reduce
+            // root's) will not complete either.  Best effort, like the
+            // abort: if it fails, the sweep frees them after the slot
+            // timeout; the error reported is the call's.
+            let _ = self.backend.free_call(call * 4);
         }
         e
     }

@@ -45,8 +45,8 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
-    Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ACK,
-    T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ABORT,
+    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
 use acks::AckBatch;
 use combine::{combine, encode_result};
@@ -153,6 +153,8 @@ pub struct UserAggregator {
     slots: Vec<Slot>,
     retired: Vec<Retired>,
     retired_idx: HashMap<(u32, u32), usize>,
+    /// Calls aborted by a member since AggBackend::sync_aborts last asked.
+    aborted_calls: Vec<u32>,
     retired_next: usize,
     ops: HashMap<u32, OpTrack>,
     /// Address of each rank (index = rank).
@@ -229,6 +231,7 @@ impl UserAggregator {
             slots,
             retired,
             retired_idx: HashMap::with_capacity(nslots),
+            aborted_calls: Vec::new(),
             retired_next: 0,
             ops: HashMap::new(),
             members,
@@ -688,6 +691,35 @@ impl UserAggregator {
         self.stats.pending += 1;
     }
 
+    /// A member's abort of a call (KCCL_T_AGG_ABORT): when it came from the
+    /// named member's address in this job (else counted as `not_member`),
+    /// frees the call's ACTIVE slots here and queues the call for the
+    /// kernel's (AggBackend::sync_aborts).
+    pub fn take_abort(&mut self, h: &Header, from: SocketAddrV4) {
+        if h.job_id != self.cfg.job_id || self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return;
+        }
+        self.stats.aborts += 1;
+        self.free_call(h.msg_seq);
+        self.aborted_calls.push(h.msg_seq & !3);
+    }
+
+    /// Calls aborted since the last call (their first op ids).
+    pub fn take_aborted_calls(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.aborted_calls)
+    }
+
+    /// Frees the ACTIVE slots of the call of op id `op_id` (any op of it):
+    /// it was aborted, its chunks will never complete.
+    pub fn free_call(&mut self, op_id: u32) {
+        let call = op_id & !3;
+        for s in self.slots.iter_mut().filter(|s| s.state == State::Active && s.op_id & !3 == call) {
+            s.state = State::Free;
+            self.stats.abort_freed += 1;
+        }
+    }
+
     /// Answers waiting for [`flush`](Self::flush).
     pub fn pending_answers(&self) -> usize {
         self.out.len()
@@ -759,6 +791,7 @@ impl UserAggregator {
             match Header::decode(d) {
                 Ok((h, p)) if h.msg_type == T_AGG => self.ingest(&h, p, from, now, sink),
                 Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => self.take_receipt(&h, from),
+                Ok((h, _)) if h.msg_type == T_AGG_ABORT => self.take_abort(&h, from),
                 Ok((h, _)) if h.msg_type == T_AGG_SYNC => {
                     let call = self.next_call_hint();
                     self.answer_sync(&h, from, call);
@@ -933,6 +966,26 @@ mod tests {
         assert_eq!(out.done.len(), 1);
         assert!(out.done[0].3, "int64 overflow must be flagged");
         assert_eq!(out.done[0].2[1], 3);
+    }
+
+    #[test]
+    fn free_call_frees_the_aborted_calls_slots_only() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        // Call 2 (op 9) and call 3 (op 12), each with one contribution.
+        feed(&mut a, &contrib(1, 9, 0, &[1; 4], 4, OP_SUM, true), 1, &mut out);
+        feed(&mut a, &contrib(1, 12, 0, &[1; 4], 4, OP_SUM, true), 1, &mut out);
+        a.free_call(8);
+        assert_eq!(a.stats().abort_freed, 1);
+        // Call 3 still completes with its first contribution counted.
+        feed(&mut a, &contrib(2, 12, 0, &[2; 4], 4, OP_SUM, true), 2, &mut out);
+        feed(&mut a, &contrib(3, 12, 0, &[3; 4], 4, OP_SUM, true), 3, &mut out);
+        let ans = answers(&mut a);
+        assert_eq!(ans.len(), 3, "call 3's RESULT to its 3 contributors");
+        assert_eq!(i32s(&ans[0].2), vec![6; 4]);
+        // Call 2's slot was freed: rank 1's copy starts it afresh (not a duplicate).
+        feed(&mut a, &contrib(1, 9, 0, &[1; 4], 4, OP_SUM, true), 1, &mut out);
+        assert_eq!((a.stats().dup, a.stats().pending), (0, 0));
     }
 
     #[test]

@@ -30,6 +30,10 @@ pub struct AggStats {
     /// PENDING answers to such duplicates, naming the contributors the
     /// chunk still waits for (as xdp_agg sends them).
     pub pending: u64,
+    /// Aborts of a call taken from its members (KCCL_T_AGG_ABORT).
+    pub aborts: u64,
+    /// ACTIVE slots of aborted calls freed at once.
+    pub abort_freed: u64,
     /// Contribution for a finished chunk: the answer was sent again.
     pub dup_done: u64,
     /// Slot held by another live chunk: dropped (the sender retransmits).

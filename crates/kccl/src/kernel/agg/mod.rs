@@ -358,6 +358,21 @@ impl AggEngine {
         Ok(self.stats()?.swept.saturating_sub(before))
     }
 
+    /// Frees every ACTIVE slot of one call of the job (op ids `call_op`
+    /// .. `call_op` + 3: a member aborted it) and, as [`AggEngine::sweep`],
+    /// the abandoned ones; returns how many of the call's it freed.
+    pub fn free_call(&self, call_op: u32) -> Result<u64> {
+        let before = self.stats()?.abort_freed;
+        let mut input = [0u8; 64];
+        input[..8].copy_from_slice(&sweep_request(call_op));
+        self.xdp
+            .progs
+            .kccl_agg_sweep
+            .test_run(libbpf_rs::ProgramInput { data_in: Some(&input), ..Default::default() })
+            .map_err(|e| Error::Bpf { step: format!("running kccl_agg_sweep for call op {call_op}"), source: e })?;
+        Ok(self.stats()?.abort_freed.saturating_sub(before))
+    }
+
     /// Instructions the verifier processed for (xdp_agg, tc_agg_result).
     pub fn verified_insns(&self) -> Result<(u32, u32)> {
         Ok((
@@ -377,12 +392,29 @@ impl AggEngine {
     }
 }
 
+/// struct kccl_agg_sweep_req (bpf/include/kccl_agg.h: flags, call_op, two
+/// u32 in host order; its size is asserted there, its bytes by the golden
+/// test below, its meaning by the free_call fixture): free the call's slots.
+fn sweep_request(call_op: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&crate::wire::SWEEP_CALL.to_ne_bytes());
+    b[4..].copy_from_slice(&(call_op & !3).to_ne_bytes());
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::record::{DT_I32, DT_I64};
     use super::*;
     use crate::group::MAX_MEMBERS;
     use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot, kccl_agg_sub};
+
+    #[test]
+    fn sweep_request_golden_bytes() {
+        let want: [u8; 8] =
+            if cfg!(target_endian = "little") { [1, 0, 0, 0, 8, 0, 1, 0] } else { [0, 0, 0, 1, 0, 1, 0, 8] };
+        assert_eq!(sweep_request(0x0001_0009), want, "flags KCCL_SWEEP_CALL, then the call's first op id");
+    }
     use std::mem::offset_of;
 
     /// The generated types are the C layout of bpf/include/kccl_agg.h.

@@ -91,4 +91,6 @@ agg_stats! {
     /// A member's next-hop MAC set from the source MAC of its contribution
     /// or receipt (it was unresolved, or it changed).
     next_hop_learned,
+    /// ACTIVE slots of an aborted call freed at once (AggEngine::free_call).
+    abort_freed,
 }
