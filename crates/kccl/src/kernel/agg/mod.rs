@@ -13,12 +13,13 @@
 
 mod config;
 mod record;
+mod ring;
 mod slots;
 mod stats;
 
-use record::RecordQueue;
 #[cfg(test)]
-use record::{parse_record_header, parse_values};
+use record::{parse_record_header, view};
+use ring::RecordRing;
 
 pub use config::{
     subs_per_slot, AggEngineConfig, XdpMode, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN, SUB_BYTES,
@@ -31,10 +32,9 @@ pub use stats::AggStats;
 use std::mem::size_of;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libbpf_rs::{Link, RingBuffer, RingBufferBuilder};
+use libbpf_rs::Link;
 
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -55,10 +55,7 @@ pub struct AggEngine {
     iface: Option<String>,
     unresolved: Vec<u16>,
     cfg: AggEngineConfig,
-    ring: RingBuffer<'static>,
-    records: Arc<Mutex<RecordQueue>>,
-    /// The queue being handed to a reader (see RecordQueue).
-    taken: RecordQueue,
+    records: RecordRing,
     misses: MissReader,
     xdp: XdpAggSkel<'static>,
     result: TcAggResultSkel<'static>,
@@ -98,17 +95,7 @@ impl AggEngine {
         open.maps.agg_stats.reuse_fd(xdp.maps.agg_stats.as_fd()).map_err(share)?;
         let result = load_skeleton(open, WHAT_R)?;
 
-        let records: Arc<Mutex<RecordQueue>> = Arc::default();
-        let sink = Arc::clone(&records);
-        let mut rb = RingBufferBuilder::new();
-        rb.add(&xdp.maps.agg_records, move |raw: &[u8]| {
-            if let Ok(mut q) = sink.lock() {
-                q.push(raw);
-            }
-            0
-        })
-        .map_err(|e| Error::Bpf { step: "adding the agg_records ring buffer".into(), source: e })?;
-        let ring = rb.build().map_err(|e| Error::Bpf { step: "creating the record reader".into(), source: e })?;
+        let records = RecordRing::new(&xdp.maps.agg_records)?;
 
         let misses = MissReader::new(&result.maps.agg_miss_events, "agg_miss_events")?;
 
@@ -120,9 +107,7 @@ impl AggEngine {
             iface: None,
             unresolved: Vec::new(),
             cfg: cfg.clone(),
-            ring,
             records,
-            taken: RecordQueue::default(),
             misses,
             xdp,
             result,
@@ -277,66 +262,13 @@ impl AggEngine {
         if max == 0 {
             return Ok(0);
         }
-        if self.consume_records(max)? == 0 && !timeout.is_zero() {
-            self.wait_records(timeout)?;
-            // Also records written without a wake-up during the wait.
-            self.consume_records(max)?;
+        let n = self.records.consume(max, f)?;
+        if n > 0 || timeout.is_zero() {
+            return Ok(n);
         }
-        std::mem::swap(
-            &mut *self.records.lock().map_err(|_| Error::Usage("record queue poisoned".into()))?,
-            &mut self.taken,
-        );
-        let q = &self.taken;
-        for (i, (h, _)) in q.headers.iter().enumerate() {
-            f(AggRecordView {
-                job_id: h.job_id,
-                op_id: h.op_id,
-                frag_off: h.frag_off,
-                msg_len: h.msg_len,
-                payload_len: h.payload_len,
-                mask_base: h.mask_base,
-                agg_op: h.agg_op,
-                dtype: h.dtype,
-                overflow: h.overflow,
-                contributors: h.contributors,
-                values: q.values_of(i),
-            });
-        }
-        let n = q.headers.len();
-        // A record that did not parse fails the poll after every good one
-        // was delivered (nothing read is lost).
-        let bad = self.taken.error.take();
-        self.taken.clear();
-        match bad {
-            Some(e) => Err(e),
-            None => Ok(n),
-        }
-    }
-
-    /// Moves up to `max` records from the ring into the record queue.
-    fn consume_records(&mut self, max: usize) -> Result<usize> {
-        let n = self.ring.consume_raw_n(max);
-        if n < 0 {
-            return Err(Error::io("reading the agg_records ring buffer", std::io::Error::from_raw_os_error(-n)));
-        }
-        Ok(n as usize)
-    }
-
-    /// Sleeps until the ring buffer signals data or `timeout` passes (rounded
-    /// up to whole milliseconds).  Consumes nothing.
-    fn wait_records(&self, timeout: Duration) -> Result<()> {
-        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        let mut ev = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: the ring's epoll fd is open while self lives; ev is one
-        // writable event.
-        let rc = unsafe { libc::epoll_wait(self.ring.epoll_fd(), &mut ev, 1, ms) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::io("waiting for agg_records ring buffer data", e));
-            }
-        }
-        Ok(())
+        self.records.wait(timeout)?;
+        // Also records written without a wake-up during the wait.
+        self.records.consume(max, f)
     }
 
     /// Destinations tc_agg_result could not serve since the last call.
@@ -513,11 +445,22 @@ mod tests {
         let b = record_bytes(12, DT_I32, &[1, -2, 3]);
         let h = parse_record_header(&b).expect("valid");
         assert_eq!((h.job_id, h.op_id, h.nvalues, h.overflow, h.contributors), (7, 9, 3, true, 0b110));
-        let mut v = Vec::new();
-        parse_values(&b, h.nvalues, &mut v).expect("values");
-        assert_eq!(v, [1, -2, 3]);
-        // Truncated values, short header, unknown dtype, ragged payload.
-        assert!(parse_values(&b[..b.len() - 1], 3, &mut v).is_err());
+        // The values in place: the test's buffer, like the ring, holds
+        // them 8-byte aligned after the 32-byte header.
+        let mut words = vec![0u64; b.len().div_ceil(8)];
+        // SAFETY: u64 has no invalid bit patterns; the slice covers `words`.
+        let aligned = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
+        aligned[..b.len()].copy_from_slice(&b);
+        let v = view(&aligned[..b.len()]).expect("values");
+        assert_eq!((v.values(), v.job_id, v.contributors), (&[1i64, -2, 3][..], 7, 0b110));
+        // Truncated values, misaligned values, short header, unknown
+        // dtype, ragged payload.
+        assert!(view(&aligned[..b.len() - 1]).is_err());
+        let mut shifted = vec![0u64; words.len() + 1];
+        // SAFETY: as above.
+        let s = unsafe { std::slice::from_raw_parts_mut(shifted.as_mut_ptr().cast::<u8>(), shifted.len() * 8) };
+        s[4..4 + b.len()].copy_from_slice(&b);
+        assert!(view(&s[4..4 + b.len()]).is_err());
         assert!(parse_record_header(&b[..RECORD_HDR_LEN - 1]).is_err());
         assert!(parse_record_header(&record_bytes(12, 9, &[])).is_err());
         assert!(parse_record_header(&record_bytes(12, DT_I64, &[])).is_err());

@@ -106,53 +106,37 @@ pub(super) fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
     })
 }
 
-/// Appends the `n` int64 values of record `b` to `out`.
-pub(super) fn parse_values(b: &[u8], n: usize, out: &mut Vec<i64>) -> Result<()> {
-    let need = RECORD_HDR_LEN + n * 8;
-    let vals = b
+/// The record `b` (as it lies in the ring buffer) as a view: its header
+/// parsed, its int64 values borrowed in place.  The ring buffer keeps
+/// records 8-byte aligned (BPF_RINGBUF_HDR_SZ, lengths rounded up to 8) and
+/// the header is 32 bytes, so the values are aligned; a record that is not
+/// is refused rather than copied.
+pub(super) fn view(b: &[u8]) -> Result<AggRecordView<'_>> {
+    let h = parse_record_header(b)?;
+    let need = RECORD_HDR_LEN + h.nvalues * 8;
+    let raw = b
         .get(RECORD_HDR_LEN..need)
-        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {n} values", b.len())))?;
-    out.extend(vals.chunks_exact(8).map(|c| u64_at(c, 0) as i64));
-    Ok(())
-}
-
-/// Records taken off the ring buffer by its callback (which must be
-/// 'static), parsed once, as they are copied out: each header with the
-/// index of its first value, and every record's values in one int64 buffer.
-/// Two queues alternate (the callback fills one while the reader walks the
-/// other) and keep their capacity, so reading allocates nothing in the
-/// steady state and each value is copied once (64 MiB of int32 arrive as
-/// 128 MiB of int64 records: a second copy or a page fault per fresh buffer
-/// was a visible share of the root's time).
-#[derive(Default)]
-pub(super) struct RecordQueue {
-    pub(super) headers: Vec<(RecordHeader, usize)>,
-    pub(super) values: Vec<i64>,
-    /// The first record that did not parse (later ones are still read).
-    pub(super) error: Option<Error>,
-}
-
-impl RecordQueue {
-    pub(super) fn push(&mut self, raw: &[u8]) {
-        let start = self.values.len();
-        match parse_record_header(raw).and_then(|h| parse_values(raw, h.nvalues, &mut self.values).map(|()| h)) {
-            Ok(h) => self.headers.push((h, start)),
-            Err(e) => {
-                self.values.truncate(start);
-                self.error.get_or_insert(e);
-            }
-        }
+        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {} values", b.len(), h.nvalues)))?;
+    // SAFETY: every bit pattern is a valid i64; align_to puts only whole,
+    // aligned i64 in the middle part.
+    let (head, values, tail) = unsafe { raw.align_to::<i64>() };
+    if !head.is_empty() || !tail.is_empty() {
+        return Err(Error::AggRecord(format!(
+            "values at {:p} are not 8-byte aligned (the ring buffer aligns every record)",
+            raw.as_ptr()
+        )));
     }
-
-    pub(super) fn clear(&mut self) {
-        self.headers.clear();
-        self.values.clear();
-        self.error = None;
-    }
-
-    /// The values of record `i`.
-    pub(super) fn values_of(&self, i: usize) -> &[i64] {
-        let (h, start) = &self.headers[i];
-        &self.values[*start..*start + h.nvalues]
-    }
+    Ok(AggRecordView {
+        job_id: h.job_id,
+        op_id: h.op_id,
+        frag_off: h.frag_off,
+        msg_len: h.msg_len,
+        payload_len: h.payload_len,
+        mask_base: h.mask_base,
+        agg_op: h.agg_op,
+        dtype: h.dtype,
+        overflow: h.overflow,
+        contributors: h.contributors,
+        values,
+    })
 }
