@@ -119,6 +119,10 @@ enum ClusterCmd {
         /// chunks follow it (default KCCL_CLUSTER_MTU, else 9000).
         #[arg(long)]
         mtu: Option<u32>,
+        /// Queues of every link, each way (XDP runs per receive queue);
+        /// default KCCL_CLUSTER_QUEUES, else one per CPU (at most 16).
+        #[arg(long)]
+        queues: Option<u32>,
         /// Leave the hosts' neighbour tables empty (filled by ARP, as on a
         /// network kccl did not build) instead of permanent entries.
         #[arg(long)]
@@ -290,20 +294,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
 
 fn cluster_cmd(c: ClusterCmd) -> Result<ExitCode> {
     match c {
-        ClusterCmd::Up { hosts, name, port, job, mtu, cold_neighbours } => {
+        ClusterCmd::Up { hosts, name, port, job, mtu, queues, cold_neighbours } => {
             let mut spec = ClusterSpec::new(&name, hosts);
             spec.port = port;
             spec.job_id = job;
             spec.mtu = mtu;
+            spec.queues = queues;
+            let nqueues = spec.resolved_queues()?;
             if cold_neighbours {
                 spec.neighbours = cluster::Neighbours::Learned;
             }
             let c = cluster::up(&spec)?;
             println!(
-                "cluster '{}' is up: {} hosts, MTU {}, group file {}",
+                "cluster '{}' is up: {} hosts, MTU {}, queues per link {}, group file {}",
                 c.name,
                 c.hosts.len(),
                 c.group.mtu,
+                nqueues,
                 c.group_path.display()
             );
             for h in c.hosts.iter().take(4) {

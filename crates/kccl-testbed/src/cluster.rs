@@ -28,6 +28,11 @@
 //! (`ClusterSpec::mtu`: 9000 unless KCCL_CLUSTER_MTU says otherwise), which
 //! the group file names, so aggregation chunks follow it (kccl::chunk).
 //!
+//! Every veth has a queue per CPU (`ClusterSpec::queues`, at most 16; or
+//! KCCL_CLUSTER_QUEUES) and the switch's ports steer frames to the queue of
+//! the sending CPU (XPS), so XDP on a host's interface runs on every CPU, as
+//! on a multi-queue NIC (crate::queues says why).
+//!
 //! The group file of the cluster is kept at `/run/kccl/clusters/<name>/group.toml`.
 
 use std::fs::File;
@@ -41,6 +46,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::error::{Error, Result};
 use crate::progress::Progress;
+use crate::queues;
 use kccl::error::is_root;
 use kccl::group::{Group, Member};
 use kccl::netns;
@@ -102,6 +108,9 @@ pub struct ClusterSpec {
     /// MTU of every link (veth ends, bridge) and the group file's `mtu`;
     /// None: [`default_mtu`] (KCCL_CLUSTER_MTU, else [`DEFAULT_MTU`]).
     pub mtu: Option<u32>,
+    /// Queues of every veth end, each way; None: [`queues::default_queues`]
+    /// (KCCL_CLUSTER_QUEUES, else one per CPU).
+    pub queues: Option<u32>,
     /// How hosts know each other's MAC addresses.
     pub neighbours: Neighbours,
 }
@@ -128,7 +137,17 @@ impl ClusterSpec {
             port: DEFAULT_PORT,
             job_id: 1,
             mtu: None,
+            queues: None,
             neighbours: Neighbours::Permanent,
+        }
+    }
+
+    /// The queues per veth this spec gives: its own, checked, or the default.
+    pub fn resolved_queues(&self) -> Result<u32> {
+        match self.queues {
+            None => queues::default_queues(),
+            Some(q) if (1..=queues::MAX_QUEUES).contains(&q) => Ok(q),
+            Some(q) => Err(cluster_err(&self.name, format!("{q} queues per link: want 1 to {}", queues::MAX_QUEUES))),
         }
     }
 }
@@ -421,6 +440,7 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
     if let Err(m) = kccl::chunk::for_mtu(i64::from(mtu)) {
         return Err(cluster_err(name, m));
     }
+    let nqueues = spec.resolved_queues()?;
     if !is_root() {
         return Err(Error::NotRoot { what: "creating a virtual cluster".into() });
     }
@@ -477,7 +497,7 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
         return Err(cluster_err(name, e.msg));
     }
 
-    let built = build(spec, mtu, &sw, hosts, all_ns, &progress);
+    let built = build(spec, Links { mtu, queues: nqueues }, &sw, hosts, all_ns, &progress);
     progress.finish();
     match built {
         Ok(c) => Ok(c),
@@ -491,16 +511,23 @@ pub fn up(spec: &ClusterSpec) -> Result<Cluster> {
     }
 }
 
+/// What every link of the cluster gets.
+struct Links {
+    mtu: u32,
+    queues: u32,
+}
+
 /// Everything after the namespaces exist; on error the caller runs `down`.
 fn build(
     spec: &ClusterSpec,
-    mtu: u32,
+    links: Links,
     sw: &str,
     hosts: Vec<Host>,
     all_ns: Vec<String>,
     progress: &Progress,
 ) -> Result<Cluster> {
     let name = spec.name.as_str();
+    let mtu = links.mtu;
 
     // 1. IPv6 off before any interface exists, so none ever gets a
     //    link-local address or sends DAD/router solicitations.
@@ -529,12 +556,13 @@ fn build(
     for h in &hosts {
         progress.point(format!("h{}", h.index));
         let mut s = format!(
-            "link add {HOST_IFACE} address {mac} mtu {mtu} type veth peer name h{i} mtu {mtu} netns {sw}\n\
+            "link add {HOST_IFACE} address {mac} mtu {mtu} {q} type veth peer name h{i} mtu {mtu} {q} netns {sw}\n\
              addr add {addr}/16 dev {HOST_IFACE}\n\
              link set lo up\n\
              link set {HOST_IFACE} up\n",
             mac = format_mac(&h.mac),
             mtu = mtu,
+            q = queues::link_words(links.queues),
             i = h.index,
             addr = h.addr,
         );
@@ -583,6 +611,11 @@ fn build(
         fdb.push_str(&format!("fdb replace {} dev h{} master static\n", format_mac(&h.mac), h.index));
     }
     bridge_batch(name, sw, &fdb)?;
+    // 4c. Each switch port sends a frame on the queue of the CPU that sends
+    //     it (XPS): the receiving host's XDP then runs on that CPU.
+    let ports: Vec<String> = hosts.iter().map(|h| format!("h{}", h.index)).collect();
+    let plan = queues::xps_plan(&queues::allowed_cpus(), links.queues);
+    queues::set_xps(sw, &ports, &plan).map_err(|m| cluster_err(name, m))?;
     netns::run_in(Some(sw), || {
         for k in ["bridge-nf-call-iptables", "bridge-nf-call-ip6tables", "bridge-nf-call-arptables"] {
             // Absent when br_netfilter is not loaded: nothing to turn off.

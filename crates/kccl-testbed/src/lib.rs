@@ -14,5 +14,6 @@ pub mod cluster;
 pub mod error;
 pub mod peers;
 pub mod progress;
+pub mod queues;
 pub mod suite;
 pub use error::{Error, Result};

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use kccl::netns;
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
+use kccl_testbed::queues;
 use kccl_testbed::Error;
 
 #[path = "../../kccl/tests/support/mod.rs"]
@@ -64,7 +65,11 @@ fn three_hosts_addresses_neighbours_and_udp() {
     }
     let name = cluster::unique_name("t3");
     let t = Instant::now();
-    let guard = ClusterGuard::up(&ClusterSpec::new(&name, 3)).expect("cluster up");
+    // Two queues per link whatever the CPU count, so XPS is set up and
+    // checked on any machine.
+    let mut spec = ClusterSpec::new(&name, 3);
+    spec.queues = Some(2);
+    let guard = ClusterGuard::up(&spec).expect("cluster up");
     println!("up of 3 hosts: {:?}", t.elapsed());
     let c = &guard.cluster;
     assert_eq!(c.hosts.len(), 3);
@@ -103,6 +108,28 @@ fn three_hosts_addresses_neighbours_and_udp() {
             assert!(state.iter().any(|s| s == "PERMANENT"), "{}: {} state {state:?}", h.netns, o.addr);
         }
         assert_eq!(entries.len(), 2, "{}: exactly one entry per other host: {neigh}", h.netns);
+
+        // Queues: 2 each way on eth0 and on its switch port, whose XPS
+        // masks send each CPU's frames on that CPU's queue.
+        let d = ip_json(&h.netns, &["-d", "link", "show", "dev", "eth0"]);
+        assert_eq!((d[0]["num_tx_queues"].as_u64(), d[0]["num_rx_queues"].as_u64()), (Some(2), Some(2)), "{}", h.netns);
+        let port = format!("h{}", h.index);
+        let sw = cluster::switch_netns(&name);
+        let d = ip_json(&sw, &["-d", "link", "show", "dev", &port]);
+        assert_eq!((d[0]["num_tx_queues"].as_u64(), d[0]["num_rx_queues"].as_u64()), (Some(2), Some(2)), "{port}");
+        for (q, cpus) in queues::xps_plan(&queues::allowed_cpus(), 2).iter().enumerate() {
+            let out = Command::new("ip")
+                .args(["netns", "exec", &sw, "cat", &format!("/sys/class/net/{port}/queues/tx-{q}/xps_cpus")])
+                .output()
+                .expect("read xps_cpus");
+            let got = String::from_utf8_lossy(&out.stdout).replace(',', "");
+            let want = if cpus.is_empty() { "0".to_owned() } else { queues::cpumask(cpus).replace(',', "") };
+            assert_eq!(
+                u128::from_str_radix(got.trim(), 16).ok(),
+                u128::from_str_radix(&want, 16).ok(),
+                "{port} tx-{q} XPS mask {got:?}, want CPUs {cpus:?}"
+            );
+        }
     }
 
     // UDP: h0 -> h2 and h1 -> h2, from threads inside the namespaces.
