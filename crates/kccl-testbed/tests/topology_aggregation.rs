@@ -271,10 +271,15 @@ fn run_case(c: &mut Collective, case: &Case, data: &Data, reduce_root: Option<u1
                 Ok(None) => Got::Sent,
                 Err(e) => Got::Err(e.to_string()),
             },
-            None => match c.allreduce(d, op) {
-                Ok(v) => wrap(v),
-                Err(e) => Got::Err(e.to_string()),
-            },
+            // Into a reused buffer that holds other values (the input
+            // reversed): every element must be written.
+            None => {
+                let mut out: Vec<T> = d.iter().rev().copied().collect();
+                match c.allreduce_into(d, op, &mut out) {
+                    Ok(()) => wrap(out),
+                    Err(e) => Got::Err(e.to_string()),
+                }
+            }
         }
     }
     match data {

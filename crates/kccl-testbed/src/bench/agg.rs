@@ -564,8 +564,9 @@ impl AggHarness {
                         }
                         let chunk = c.chunk_bytes();
                         let data = T::data(rank, elems);
-                        // The reduce root's result buffer, reused from call to
-                        // call (reduce_into), as Gloo reduces into its tensor.
+                        // The result buffer, reused from call to call
+                        // (reduce_into, allreduce_into), as Gloo writes into
+                        // its tensor.
                         let mut out = vec![T::default(); elems];
                         let mut before = Counters::default();
                         for it in 0..=iters {
@@ -579,7 +580,10 @@ impl AggHarness {
                                 Kind::Reduce => {
                                     c.reduce_into(&data, op, agg_rank, &mut out)?.then(|| std::mem::take(&mut out))
                                 }
-                                Kind::Allreduce => Some(c.allreduce(&data, op)?),
+                                Kind::Allreduce => {
+                                    c.allreduce_into(&data, op, &mut out)?;
+                                    Some(std::mem::take(&mut out))
+                                }
                             };
                             // The root's work is part of the timed operation
                             // (not of the checked one: it runs after the check).
@@ -611,7 +615,7 @@ impl AggHarness {
                             } else {
                                 times.lock().map_err(|_| poisoned())?.push((rank, it, dt, cpu));
                             }
-                            if let (Kind::Reduce, Some(r)) = (kind, res) {
+                            if let Some(r) = res {
                                 out = r;
                             }
                         }

@@ -252,11 +252,7 @@ impl Finish<'_> {
                 match *enc {
                     FinEnc::F32Q { scales, block } => {
                         let div = if op == OP_AVG { self.count.max(1) as f64 } else { 1.0 };
-                        // Runs of one scale: no per-element index arithmetic.
-                        let mut k = 0;
-                        while k < n {
-                            let b = (first + k) / block;
-                            let end = (b.saturating_add(1).saturating_mul(block) - first).min(n);
+                        for (k, end, b) in scale_runs(first, n, block) {
                             let d = scales[b] * div;
                             let (v, o) = (&vals[k..end], &mut out[k..end]);
                             match own {
@@ -272,7 +268,6 @@ impl Finish<'_> {
                                     }
                                 }
                             }
-                            k = end;
                         }
                     }
                     FinEnc::F32Ord => {
@@ -298,6 +293,67 @@ impl Finish<'_> {
         }
         Ok(())
     }
+}
+
+impl Finish<'_> {
+    /// [`Finish::apply`] without own data, of wire values (`payload`: the
+    /// big-endian elements of `dtype`), as an allreduce member finishes a
+    /// RESULT chunk.  The common cases (int32 results of any op but AVG,
+    /// quantized float32 SUM/AVG) go from the wire bytes into the output in
+    /// one pass; the others are read into `scratch` as int64 first.
+    pub fn apply_wire(
+        &self,
+        payload: &[u8],
+        dtype: u8,
+        first: usize,
+        dst: &mut Dst<'_>,
+        scratch: &mut Vec<i64>,
+    ) -> Result<(), OutOfRange> {
+        let n = payload.len() / 4;
+        let wire = |k: usize, end: usize| {
+            payload[k * 4..end * 4].chunks_exact(4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        match (&self.enc, &mut *dst) {
+            (FinEnc::Int, Dst::I32(out)) if dtype != DT_I64 && self.agg_op != OP_AVG => {
+                for (o, v) in out[first..first + n].iter_mut().zip(wire(0, n)) {
+                    *o = v;
+                }
+                Ok(())
+            }
+            (&FinEnc::F32Q { scales, block }, Dst::F32(out)) if matches!(self.agg_op, OP_SUM | OP_AVG) => {
+                let div = if self.agg_op == OP_AVG { self.count.max(1) as f64 } else { 1.0 };
+                let out = &mut out[first..first + n];
+                for (k, end, b) in scale_runs(first, n, block) {
+                    let d = scales[b] * div;
+                    for (o, v) in out[k..end].iter_mut().zip(wire(k, end)) {
+                        *o = (f64::from(v) / d) as f32;
+                    }
+                }
+                Ok(())
+            }
+            _ => {
+                read_wire(payload, dtype, scratch);
+                self.apply(scratch, first, None, dst)
+            }
+        }
+    }
+}
+
+/// The runs of one scale among elements `[first, first + n)` with a scale
+/// per `block` elements: (start, end) relative to `first`, and the block.
+/// Finishing a run at a time needs no per-element index arithmetic.
+fn scale_runs(first: usize, n: usize, block: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        if k >= n {
+            return None;
+        }
+        let b = (first + k) / block;
+        let end = (b.saturating_add(1).saturating_mul(block) - first).min(n);
+        let run = (k, end, b);
+        k = end;
+        Some(run)
+    })
 }
 
 /// Combines a contributors' aggregate with the root's own value (if any)
@@ -410,6 +466,45 @@ mod tests {
         let f = Finish { agg_op: OP_SUM, enc: FinEnc::F32Q { scales: &[4.0], block: 8 }, count: 2 };
         f.apply(&[6], 0, Some(Src::F32(&[0.25])), &mut Dst::F32(&mut fo[..1])).expect("ok");
         assert_eq!(fo[0], 1.75);
+    }
+
+    /// apply_wire's one-pass cases give exactly what reading the wire into
+    /// int64 and apply give, and the other cases go through that path.
+    #[test]
+    fn apply_wire_matches_read_then_apply() {
+        let vals: Vec<i32> = (0..37).map(|i| (i * 7919 - 120_000) * if i % 3 == 0 { -1 } else { 1 }).collect();
+        let wire: Vec<u8> = vals.iter().flat_map(|v| v.to_be_bytes()).collect();
+        let scales = [4.0, 0.5, 1024.0, 3.0];
+        let ints = [OP_SUM, OP_MAX, OP_MIN, OP_COUNT, OP_AVG];
+        for (agg_op, enc) in ints
+            .iter()
+            .map(|&o| (o, FinEnc::Int))
+            .chain([OP_SUM, OP_AVG].iter().map(|&o| (o, FinEnc::F32Q { scales: &scales, block: 11 })))
+            .chain([(OP_MAX, FinEnc::F32Ord), (OP_COUNT, FinEnc::F32NonZero)])
+        {
+            let f = Finish { agg_op, enc, count: 3 };
+            let first = 5;
+            let mut scratch = Vec::new();
+            let mut v64 = Vec::new();
+            read_wire(&wire, DT_I32, &mut v64);
+            if matches!(enc, FinEnc::Int) {
+                let (mut a, mut b) = (vec![0i32; 42], vec![0i32; 42]);
+                f.apply_wire(&wire, DT_I32, first, &mut Dst::I32(&mut a), &mut scratch).expect("fits");
+                f.apply(&v64, first, None, &mut Dst::I32(&mut b)).expect("fits");
+                assert_eq!(a, b, "op {agg_op}");
+            } else {
+                let (mut a, mut b) = (vec![0f32; 42], vec![0f32; 42]);
+                f.apply_wire(&wire, DT_F32Q, first, &mut Dst::F32(&mut a), &mut scratch).expect("fits");
+                f.apply(&v64, first, None, &mut Dst::F32(&mut b)).expect("fits");
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "op {agg_op} {enc:?}");
+            }
+        }
+        // int64 wire values go through the general path, range check included.
+        let big: Vec<u8> = [5i64, 1 << 40].iter().flat_map(|v| v.to_be_bytes()).collect();
+        let f = Finish { agg_op: OP_SUM, enc: FinEnc::Int, count: 2 };
+        let e = f.apply_wire(&big, DT_I64, 0, &mut Dst::I32(&mut [0i32; 2]), &mut Vec::new());
+        assert_eq!(e, Err(OutOfRange { index: 1, value: 1 << 40 }));
     }
 
     #[test]
