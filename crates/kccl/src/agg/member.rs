@@ -33,7 +33,14 @@
 //!   every chunk in flight expires at once, and resending them all would
 //!   double its work just when it is behind (seen: 9 members, user-space
 //!   aggregator, 1.8x the datagrams); an expired chunk with later chunks
-//!   answered is certainly lost and always resent.  `rto` is the configured one, or
+//!   answered is certainly lost and always resent.  Those TIMEOUT_BURST
+//!   chunks are a probe: once a chunk sent again is answered, the
+//!   aggregator is alive and what else expired is lost, so the next event
+//!   is due at once and resends twice as many (up to the window): a lost
+//!   tail of W chunks costs about log2(W / TIMEOUT_BURST) round trips, not
+//!   W / TIMEOUT_BURST timeouts (resending 4 per timeout is how 256 MiB
+//!   reduces once took 138 s and 450 s: hundreds of timeouts, the machine
+//!   idle).  `rto` is the configured one, or
 //!   srtt + 4 rttvar (RFC 6298) when the measured round trip is longer.
 //!   When nothing was answered for `rto` (a stall) the window halves and
 //!   the timeout doubles (up to 16 x rto) until an answer arrives.
@@ -198,7 +205,8 @@ impl Cwnd {
 /// order: the aggregator's CPUs complete chunks in parallel).
 const GAP_THRESHOLD: usize = 3;
 
-/// Chunks resent per timeout event (one event per rto).
+/// Chunks resent by a timeout event that follows no answered probe (one
+/// such event per rto; see the module comment).
 const TIMEOUT_BURST: u64 = 4;
 
 /// Smallest congestion window after a cut: GAP_THRESHOLD answers beyond a
@@ -250,6 +258,12 @@ pub struct Contributor<'e> {
     last_progress: Instant,
     /// The last timeout event (see send_due).
     last_timeout: Instant,
+    /// Expired chunks the last timeout event could resend (TIMEOUT_BURST,
+    /// doubled per answered probe), and whether a chunk sent again has
+    /// been answered since (the aggregator is alive: what else expired is
+    /// lost, and the next event is due at once).
+    burst: u64,
+    probe_answered: bool,
     /// Current retransmission timeout (backs off, reset by progress).
     cur_rto: Duration,
     started: Instant,
@@ -292,6 +306,8 @@ impl<'e> Contributor<'e> {
             rttvar: Duration::ZERO,
             last_progress: now,
             last_timeout: now,
+            burst: TIMEOUT_BURST,
+            probe_answered: false,
             cur_rto: t.rto,
             started: now,
             overflowed: Vec::new(),
@@ -345,7 +361,8 @@ impl<'e> Contributor<'e> {
         // resending them all would double a late aggregator's work just
         // when it is behind, and if more were lost, the answers to these
         // reveal them as gaps.
-        let timeout_due = now.saturating_duration_since(self.last_timeout) >= rto;
+        let timeout_due = self.probe_answered || now.saturating_duration_since(self.last_timeout) >= rto;
+        let burst = if self.probe_answered { self.burst.saturating_mul(2).min(w as u64) } else { TIMEOUT_BURST };
         for c in self.lo..self.next {
             if self.is_acked(c) {
                 continue;
@@ -354,7 +371,7 @@ impl<'e> Contributor<'e> {
             let expired = since >= rto;
             if expired && self.gap_behind(c) {
                 timed_out += 1;
-            } else if expired && timeout_due && unsure < TIMEOUT_BURST {
+            } else if expired && timeout_due && unsure < burst {
                 unsure += 1;
                 timed_out += 1;
             } else if self.gap_behind(c) && since >= self.fast_gap(c) {
@@ -376,6 +393,8 @@ impl<'e> Contributor<'e> {
         }
         if unsure > 0 {
             self.last_timeout = now;
+            self.burst = burst;
+            self.probe_answered = false;
         }
         if stalled {
             self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
@@ -569,6 +588,7 @@ impl<'e> Contributor<'e> {
         self.acked[c / 64] |= 1 << (c % 64);
         self.nacked += 1;
         let w = self.t.window;
+        self.probe_answered |= self.resent[c % w] > 0;
         if self.resent[c % w] == 0 {
             let sample = now.saturating_duration_since(self.sent_at[c % w]);
             self.rttvar = match self.srtt {
@@ -800,14 +820,18 @@ mod tests {
         }
     }
 
-    /// The aggregator on a thread; `drop_every`: drop every n-th
-    /// contribution before aggregation (simulated loss), 0 = none.
-    fn aggregator(
-        g: &Group,
-        stop: Arc<AtomicBool>,
-        drop_every: u64,
-        drop_below: u32,
-    ) -> std::thread::JoinHandle<crate::agg::user::AggStats> {
+    /// Contributions the test aggregator loses before aggregation.
+    #[derive(Debug, Clone, Copy)]
+    enum Loss {
+        /// Every n-th contribution at a byte offset below `below`.
+        Every { n: u64, below: u32 },
+        /// The first copy of every chunk whose byte offset is in `from..to`
+        /// (a burst: say a full receive ring), retransmissions arrive.
+        FirstCopies { from: u32, to: u32 },
+    }
+
+    /// The aggregator on a thread, losing contributions as `loss` says.
+    fn aggregator(g: &Group, stop: Arc<AtomicBool>, loss: Loss) -> std::thread::JoinHandle<crate::agg::user::AggStats> {
         let g = g.clone();
         std::thread::spawn(move || {
             let sock = BatchSocket::bind(Ipv4Addr::LOCALHOST, g.members[0].port, 8 << 20, 8 << 20).expect("bind");
@@ -822,6 +846,7 @@ mod tests {
             let mut a = UserAggregator::new(&g, cfg);
             let mut rb = RecvBatch::new(256, a.dgram_max() + 1);
             let mut seen = 0u64;
+            let mut lost = std::collections::HashSet::new();
             while !stop.load(Ordering::Relaxed) {
                 let n = sock.recv_batch(&mut rb, Some(Duration::from_millis(20))).expect("recv");
                 let now = Instant::now();
@@ -833,7 +858,13 @@ mod tests {
                         continue;
                     }
                     seen += 1;
-                    if drop_every > 0 && seen % drop_every == 0 && h.frag_off < drop_below {
+                    let drop = match loss {
+                        Loss::Every { n, below } => n > 0 && seen % n == 0 && h.frag_off < below,
+                        Loss::FirstCopies { from, to } => {
+                            (from..to).contains(&h.frag_off) && lost.insert((h.src_rank, h.frag_off))
+                        }
+                    };
+                    if drop {
                         continue;
                     }
                     a.ingest(&h, p, from, now, &mut AllreduceOnly);
@@ -881,17 +912,11 @@ mod tests {
         (0..len as i32).map(|i| i * 3 - rank as i32 * 1000).collect()
     }
 
-    /// Contributors 1 and 2 against a user-space aggregator that drops every
-    /// `drop_every`-th contribution at a byte offset below `drop_below`.
-    fn both_dropping(
-        g: &Group,
-        len: usize,
-        t: Timing,
-        drop_every: u64,
-        drop_below: u32,
-    ) -> Vec<(Vec<i64>, ContribStats)> {
+    /// Contributors 1 and 2 against a user-space aggregator that loses
+    /// contributions as `loss` says.
+    fn both_dropping(g: &Group, len: usize, t: Timing, loss: Loss) -> Vec<(Vec<i64>, ContribStats)> {
         let stop = Arc::new(AtomicBool::new(false));
-        let agg = aggregator(g, Arc::clone(&stop), drop_every, drop_below);
+        let agg = aggregator(g, Arc::clone(&stop), loss);
         std::thread::sleep(Duration::from_millis(20));
         let handles: Vec<_> = [1u16, 2]
             .into_iter()
@@ -907,7 +932,7 @@ mod tests {
     }
 
     fn both(g: &Group, len: usize, t: Timing, drop_every: u64) -> Vec<(Vec<i64>, ContribStats)> {
-        both_dropping(g, len, t, drop_every, u32::MAX)
+        both_dropping(g, len, t, Loss::Every { n: drop_every, below: u32::MAX })
     }
 
     fn expect(len: usize) -> Vec<i64> {
@@ -952,10 +977,33 @@ mod tests {
         let g = group(&free_ports(3));
         let len = 16 * 400;
         let t = Timing { window: 32, rto: Duration::from_secs(3), deadline: Duration::from_secs(6) };
-        for (out, s) in both_dropping(&g, len, t, 50, (CHUNK * 392) as u32) {
+        for (out, s) in both_dropping(&g, len, t, Loss::Every { n: 50, below: (CHUNK * 392) as u32 }) {
             assert_eq!(out, expect(len), "duplicates must not be added twice");
             assert!(s.fast_retransmits > 0, "{s:?}");
             assert_eq!(s.stalls, 0, "no chunk may wait for the timeout: {s:?}");
+        }
+    }
+
+    #[test]
+    fn a_lost_tail_is_recovered_in_few_timeouts() {
+        // The first copies of the last 64 chunks are lost (a burst at the
+        // end of the operation: nothing answered after them reveals them,
+        // so only timeouts can).  The first timeout resends TIMEOUT_BURST
+        // of them as a probe; once a probe is answered the aggregator is
+        // alive and the rest are lost, so the bursts double per answered
+        // probe: 4 + 8 + 16 + 32 + 64 > 64 in at most 5 timeout events.
+        // Resending only TIMEOUT_BURST per timeout took 16 (the 138 s and
+        // 450 s collapses of 256 MiB reduces on 2026-11-23: hundreds of
+        // timeouts, the machine idle).
+        let g = group(&free_ports(3));
+        let chunks = 200;
+        let t = Timing { window: 64, rto: Duration::from_millis(20), deadline: Duration::from_secs(20) };
+        let loss = Loss::FirstCopies { from: (CHUNK * (chunks - 64)) as u32, to: u32::MAX };
+        for (out, s) in both_dropping(&g, 16 * chunks, t, loss) {
+            assert_eq!(out, expect(16 * chunks));
+            assert_eq!(s.chunks, chunks as u64);
+            assert!(s.stalls <= 5, "a lost tail of 64 chunks took {} timeout events: {s:?}", s.stalls);
+            assert!(s.retransmits >= 64, "{s:?}");
         }
     }
 
