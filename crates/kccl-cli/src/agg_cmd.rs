@@ -51,11 +51,11 @@ pub struct CollectiveArgs {
     /// and, on the kernel path, xdp_agg/tc_agg_result) as JSON on stderr.
     #[arg(long)]
     stats: bool,
-    /// Send runs of up to 16 chunks as one UDP GSO message (experimental:
-    /// cheaper senders, but a collapse under load was seen; docs/AGGREGATION.md).
-    /// With `kccl fault` on this host, loss then hits whole GSO sends.
+    /// Send every chunk as its own datagram instead of runs of up to 16
+    /// chunks per UDP GSO message (the default; docs/AGGREGATION.md).  With
+    /// GSO, `kccl fault` on this host drops or duplicates whole GSO sends.
     #[arg(long)]
-    gso: bool,
+    no_gso: bool,
 }
 
 #[derive(Args)]
@@ -79,7 +79,7 @@ fn config(a: &CollectiveArgs) -> Result<AggConfig> {
         return Err(Error::Usage(format!("--deadline {}: must be positive seconds", a.deadline)));
     }
     cfg.deadline = Duration::from_secs_f64(a.deadline);
-    cfg.gso = a.gso;
+    cfg.gso = !a.no_gso;
     Ok(cfg)
 }
 
@@ -286,9 +286,9 @@ pub struct BenchAggArgs {
     /// Fast run for CI: small sizes, few iterations.
     #[arg(long)]
     smoke: bool,
-    /// Both paths send runs of chunks as UDP GSO messages (experimental).
+    /// Both paths send every chunk as its own datagram (no UDP GSO runs).
     #[arg(long)]
-    gso: bool,
+    no_gso: bool,
 }
 
 pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
@@ -304,11 +304,11 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     let mut h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
     h.show_recovery = true;
     // Large vectors: allow for the 2-core machine being slow under load.
-    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: a.gso, ..AggConfig::default() };
+    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: !a.no_gso, ..AggConfig::default() };
     println!(
         "== {kind} of int32 vectors, {} senders, kernel vs user path{}",
         a.senders,
-        if a.gso { " (UDP GSO)" } else { "" }
+        if a.no_gso { " (no UDP GSO)" } else { "" }
     );
     let rows: Vec<AggRecord> =
         h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;

@@ -189,8 +189,9 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
         .map(|&rank| {
             let (g, b) = (group.clone(), Arc::clone(&barrier));
             on_host(topo.ns(rank), move || {
-                // The allreduce runs send with UDP GSO (opt-in): the
-                // injector then drops whole GSO sends, bursts of chunks.
+                // The allreduce runs send with UDP GSO (the default): the
+                // injector then drops whole GSO sends, bursts of chunks;
+                // the reduce runs send single datagrams.
                 let c_cfg = AggConfig { gso: !reduce, ..cfg() };
                 let mut c = Collective::new(&g, rank, path, c_cfg).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 let mut got = Vec::new();

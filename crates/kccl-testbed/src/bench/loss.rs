@@ -172,9 +172,9 @@ pub fn run(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>> {
 
 fn reduce_points(spec: &LossSpec, progress: &Progress) -> Result<Vec<LossRecord>> {
     let h = AggHarness::new(&cluster::unique_name("bloss"), spec.senders)?;
-    // Single datagrams per send (also the default): the injector sees a GSO
+    // Single datagrams per send (not the default): the injector sees a GSO
     // send as one packet and would drop all its datagrams together, while a
-    // real link loses frames one at a time.
+    // real link loses frames one at a time (after segmentation).
     let cfg = AggConfig { deadline: Duration::from_secs(60), gso: false, ..AggConfig::default() };
     let mut rows = Vec::new();
     for &loss in &spec.losses {

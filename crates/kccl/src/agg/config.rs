@@ -35,7 +35,9 @@ pub struct AggConfig {
     pub slot_timeout: Duration,
     /// Send runs of chunks to one address as UDP GSO messages (one stack
     /// traversal per run instead of per datagram; the wire is unchanged).
-    /// Off by default: experimental (docs/AGGREGATION.md, "UDP GSO").
+    /// On by default (docs/AGGREGATION.md, "UDP GSO": why it was opt-in
+    /// and what changed); a kernel that refuses UDP_SEGMENT falls back to
+    /// single datagrams by itself.
     pub gso: bool,
 }
 
@@ -49,7 +51,7 @@ impl Default for AggConfig {
             quant: Quant::Auto,
             nslots: 1024,
             slot_timeout: Duration::from_secs(2),
-            gso: false,
+            gso: true,
         }
     }
 }
