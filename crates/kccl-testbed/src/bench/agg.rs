@@ -62,6 +62,8 @@ pub struct AggRecord {
     pub elems_per_s: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// The slowest timed operation (outliers: the suite's worst ratio).
+    pub max_ms: f64,
     /// Aggregator-side thread CPU per operation (the root's reduce call, or
     /// for allreduce the aggregator service thread).
     pub aggregator_cpu_ms: f64,
@@ -680,6 +682,7 @@ impl AggHarness {
             elems_per_s: percentile(&rates, 50.0),
             p50_ms: percentile(&per_iter, 50.0) * 1e3,
             p99_ms: percentile(&per_iter, 99.0) * 1e3,
+            max_ms: per_iter.last().copied().unwrap_or(f64::NAN) * 1e3,
             aggregator_cpu_ms: agg_cpu.as_secs_f64() * 1e3 / n,
             sender_cpu_ms: sender_cpu.as_secs_f64() * 1e3 / n / senders.max(1) as f64,
             root_work_p50_ms: {

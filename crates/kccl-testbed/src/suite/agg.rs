@@ -11,6 +11,7 @@ pub(super) fn agg_cfg() -> AggConfig {
 
 pub(super) fn agg_sample(r: &AggRecord) -> Sample {
     let mut s = Sample::new(r.p50_ms, r.p99_ms);
+    s.worst = r.max_ms;
     s.cpu = r.aggregator_cpu_ms + r.sender_cpu_ms * r.senders as f64;
     // From the median time, so the two columns agree (the harness's own rate is
     // the median of per-iteration rates, which differs from it with 2 iterations).

@@ -219,6 +219,10 @@ pub struct SuiteRow {
     /// Median over repeats of each repeat's p99.
     #[serde(deserialize_with = "nan_if_null")]
     pub p99: f64,
+    /// The slowest timed operation of all repeats (NaN where the
+    /// experiment does not keep it).
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
+    pub worst: f64,
     #[serde(deserialize_with = "nan_if_null")]
     pub mean: f64,
     /// Each repeat's median: min/median/max of these show the machine's noise.
@@ -264,6 +268,10 @@ pub struct ExperimentResult {
 }
 
 /// serde_json writes NaN (not measured) as null; read it back as NaN.
+fn nan() -> f64 {
+    f64::NAN
+}
+
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
@@ -385,6 +393,8 @@ struct Acc {
 struct Sample {
     median: f64,
     p99: f64,
+    /// The slowest timed operation of the repeat.
+    worst: f64,
     mean: f64,
     cpu: f64,
     melem: f64,
@@ -393,7 +403,7 @@ struct Sample {
 
 impl Sample {
     fn new(median: f64, p99: f64) -> Sample {
-        Sample { median, p99, mean: f64::NAN, cpu: f64::NAN, melem: f64::NAN, iters: 0 }
+        Sample { median, p99, worst: f64::NAN, mean: f64::NAN, cpu: f64::NAN, melem: f64::NAN, iters: 0 }
     }
 }
 
@@ -418,6 +428,7 @@ impl Acc {
                 system,
                 median: med(ss.iter().map(|s| s.median).collect()),
                 p99: med(ss.iter().map(|s| s.p99).collect()),
+                worst: ss.iter().map(|s| s.worst).filter(|w| !w.is_nan()).fold(f64::NAN, f64::max),
                 mean: med(ss.iter().map(|s| s.mean).collect()),
                 repeat_medians: ss.iter().map(|s| s.median).collect(),
                 ratio_to_user: f64::NAN,
@@ -541,6 +552,7 @@ fn run_peers(
                     prog.say(format!("  {}", r.summary()));
                     let mut s = Sample::new(r.median_us * pp.to_unit + pp.extra, r.p99_us * pp.to_unit + pp.extra);
                     s.mean = r.mean_us * pp.to_unit + pp.extra;
+                    s.worst = r.max_us * pp.to_unit + pp.extra;
                     s.cpu = r.cpu_median_us * pp.to_unit;
                     s.iters = r.iters;
                     if pp.senders > 0 {
@@ -804,6 +816,30 @@ mod tests {
         assert_eq!(back.rows[0].median, 3.0);
         assert!(back.rows[0].p99.is_nan() && back.rows[0].ratio_to_user.is_nan());
         assert!(load_earlier(std::path::Path::new("/nonexistent"), Experiment::AggCpu).is_none());
+    }
+
+    #[test]
+    fn worst_line_names_the_slowest_operation_against_its_median() {
+        let mut r = result_with(&[]);
+        assert!(report::worst_line(std::slice::from_ref(&r)).contains("not measured"));
+        let mut acc = Acc::default();
+        let s = |m: f64, w: f64| {
+            let mut s = Sample::new(m, m);
+            s.worst = w;
+            s
+        };
+        acc.add("", 1.0, "bytes=1", SYS_KERNEL, s(10.0, 12.0));
+        acc.add("", 1.0, "bytes=1", SYS_KERNEL, s(10.0, 41.0));
+        acc.add("", 2.0, "bytes=2", SYS_USER, s(5.0, 14.0));
+        acc.add("", 2.0, "bytes=2", "gloo", Sample::new(1.0, 1.0));
+        r.rows = acc.rows();
+        let k = r.rows.iter().find(|x| x.system == SYS_KERNEL).expect("kernel row");
+        assert_eq!(k.worst, 41.0, "the slowest of all repeats");
+        let line = report::worst_line(std::slice::from_ref(&r));
+        assert!(line.contains("4.10x") && line.contains("bytes=1") && line.contains("not met"), "{line}");
+        r.rows.retain(|x| x.system != SYS_KERNEL);
+        let line = report::worst_line(std::slice::from_ref(&r));
+        assert!(line.contains("2.80x") && line.contains(": met"), "{line}");
     }
 
     #[test]

@@ -106,6 +106,35 @@ pub(super) fn targets(res: &[ExperimentResult]) -> Vec<String> {
     out
 }
 
+/// The stall target (issue 32): no timed operation beyond this many times
+/// its point's median.
+pub(super) const WORST_OVER_MEDIAN: f64 = 3.0;
+
+/// The slowest timed operation of the run against its point's median, over
+/// every row that keeps it (the aggregation experiments and the peers).
+pub(super) fn worst_line(res: &[ExperimentResult]) -> String {
+    let worst = res
+        .iter()
+        .flat_map(|r| r.rows.iter().map(move |row| (r, row)))
+        .filter(|(_, row)| row.worst.is_finite() && row.median > 0.0)
+        .map(|(r, row)| (row.worst / row.median, r, row))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    match worst {
+        None => "stalls: not measured (no row kept its slowest operation)".into(),
+        Some((x, r, row)) => format!(
+            "stalls: the slowest timed operation took **{x:.2}x** its point's median ({} {}, {}: {} vs {} {}); \
+             target: none beyond {WORST_OVER_MEDIAN}x: {}",
+            r.experiment,
+            row.point,
+            row.system,
+            fmt_v(row.worst),
+            fmt_v(row.median),
+            r.unit,
+            if x <= WORST_OVER_MEDIAN { "met" } else { "**not met**" }
+        ),
+    }
+}
+
 pub(super) fn summary_md(res: &[ExperimentResult], env: &Env, spec: &SuiteSpec) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -137,6 +166,7 @@ pub(super) fn summary_md(res: &[ExperimentResult], env: &Env, spec: &SuiteSpec) 
     for t in targets(res) {
         let _ = writeln!(s, "- {t}");
     }
+    let _ = writeln!(s, "- {}", worst_line(res));
     let _ = writeln!(s);
     for r in res {
         let _ = writeln!(s, "## {} — {}\n", r.experiment, r.title);
