@@ -108,28 +108,45 @@ impl Peers {
         reason: AbortReason,
         detail: &str,
     ) -> Result<()> {
-        let body = payload(reason, detail);
-        let h = Header {
-            version: VERSION,
-            msg_type: T_AGG_ABORT,
-            flags: F_LAST_FRAG,
-            job_id: self.job_id,
-            src_rank: me,
-            mask_base: base,
-            dst_mask: mask,
-            msg_seq: self.call_op,
-            frag_off: 0,
-            msg_len: body.len() as u32,
-            payload_len: body.len() as u16,
-            agg_op: 0,
-            dtype: 0,
-        };
-        let mut head = [0u8; HDR_LEN];
-        h.encode(&mut head);
+        let d = datagram(self.job_id, me, base, mask, self.call_op, reason, detail);
         let dgrams: Vec<Datagram<'_>> =
-            self.ranks.iter().map(|&(_, to)| Datagram { to, head: &head, body: &body }).collect();
+            self.ranks.iter().map(|&(_, to)| Datagram { to, head: &d, body: &[] }).collect();
         sock.send_all(&dgrams).map(|_| ())
     }
+}
+
+/// The whole abort datagram (header, reason, text) of call `call_op` from
+/// rank `me` to the call's contributors `base + i` (bit i of `mask`).
+pub fn datagram(
+    job_id: u32,
+    me: u16,
+    base: u16,
+    mask: u64,
+    call_op: u32,
+    reason: AbortReason,
+    detail: &str,
+) -> Vec<u8> {
+    let body = payload(reason, detail);
+    let h = Header {
+        version: VERSION,
+        msg_type: T_AGG_ABORT,
+        flags: F_LAST_FRAG,
+        job_id,
+        src_rank: me,
+        mask_base: base,
+        dst_mask: mask,
+        msg_seq: call_op,
+        frag_off: 0,
+        msg_len: body.len() as u32,
+        payload_len: body.len() as u16,
+        agg_op: 0,
+        dtype: 0,
+    };
+    let mut head = [0u8; HDR_LEN];
+    h.encode(&mut head);
+    let mut d = head.to_vec();
+    d.extend_from_slice(&body);
+    d
 }
 
 /// The payload of an abort: the reason byte, then `detail` cut to

@@ -40,13 +40,14 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
+use crate::agg::abort;
 use crate::agg::packet::{check_contribution, elem_size, Reject};
 use crate::error::Result;
 use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
-    Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG, T_AGG_ABORT,
-    T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    AbortReason, Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG,
+    T_AGG_ABORT, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
 };
 use acks::AckBatch;
 use combine::{combine, encode_result};
@@ -155,6 +156,9 @@ pub struct UserAggregator {
     retired_idx: HashMap<(u32, u32), usize>,
     /// Calls aborted by a member since AggBackend::sync_aborts last asked.
     aborted_calls: Vec<u32>,
+    /// Allreduce calls this aggregator aborted on a mismatch (first op
+    /// ids, the latest MAX_TRACKED_OPS): each is announced once.
+    mismatch_aborted: VecDeque<u32>,
     retired_next: usize,
     ops: HashMap<u32, OpTrack>,
     /// Address of each rank (index = rank).
@@ -239,6 +243,7 @@ impl UserAggregator {
             out: Vec::with_capacity(1024),
             acks: AckBatch::new(cfg.chunk_bytes),
             mismatches: VecDeque::new(),
+            mismatch_aborted: VecDeque::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
             stats: AggStats::default(),
@@ -406,6 +411,7 @@ impl UserAggregator {
             if slot_meta != meta {
                 let d = format!("sent {}, the chunk was {}", meta.describe(), slot_meta.describe());
                 self.stats.mismatch += 1;
+                self.abort_mismatch(h, slot_meta.mask_base, slot_meta.expected, &d);
                 self.note_mismatch(h, d);
                 return;
             }
@@ -422,6 +428,7 @@ impl UserAggregator {
             if slot_meta != meta {
                 let d = format!("sent {}, the chunk is {}", meta.describe(), slot_meta.describe());
                 self.stats.mismatch += 1;
+                self.abort_mismatch(h, slot_meta.mask_base, slot_meta.expected, &d);
                 self.note_mismatch(h, d);
                 return;
             }
@@ -496,6 +503,45 @@ impl UserAggregator {
         let s = &self.slots[idx];
         (s.state == State::Active && (s.op_id, s.frag_off) == (op_id, frag_off))
             .then_some((s.meta.mask_base, s.meta.expected & !s.seen))
+    }
+
+    /// An allreduce chunk its members disagree on (length, type, op or
+    /// contributors: `detail` says how `h` differs from `slot`): the call
+    /// cannot complete, so every member of it (the slot's contributors and
+    /// the sender) is told at once, KCCL_T_AGG_ABORT with reason MISMATCH
+    /// from this aggregator, instead of waiting out its deadline; the
+    /// call's slots here (and, through AggBackend::sync_aborts, the
+    /// kernel's) are freed.  Once per call.  A reduce's mismatch is the
+    /// root's to announce (root.rs), which knows what it expects.
+    pub fn abort_mismatch(&mut self, h: &Header, mask_base: u16, expected: u64, detail: &str) {
+        let call = h.msg_seq & !3;
+        if h.flags & F_ALLREDUCE == 0 || self.mismatch_aborted.contains(&call) {
+            return;
+        }
+        if self.mismatch_aborted.len() >= MAX_TRACKED_OPS {
+            self.mismatch_aborted.pop_front();
+        }
+        self.mismatch_aborted.push_back(call);
+        let text = format!(
+            "rank {} {detail}: the members of one allreduce must pass the same length, element type and op",
+            h.src_rank
+        );
+        let d =
+            abort::datagram(self.cfg.job_id, self.cfg.my_rank, mask_base, expected, call, AbortReason::Mismatch, &text);
+        let base = mask_base as usize;
+        let ranks = (0..MASK_BITS).filter(|b| expected >> b & 1 != 0).map(|b| base + b);
+        let mut to: Vec<SocketAddrV4> =
+            ranks.chain([h.src_rank as usize]).filter_map(|r| self.members.get(r).copied().flatten()).collect();
+        to.sort_unstable_by_key(|a| (u32::from(*a.ip()), a.port()));
+        to.dedup();
+        for a in to {
+            let start = self.arena.len();
+            self.arena.extend_from_slice(&d);
+            self.out.push((a, start, d.len()));
+        }
+        self.free_call(call);
+        self.aborted_calls.push(call);
+        self.stats.aborts_sent += 1;
     }
 
     fn note_mismatch(&mut self, h: &Header, detail: String) {
@@ -1034,6 +1080,40 @@ mod tests {
         feed(&mut a, &contrib(3, 0, 0, &[3, 3, 3, 3], 8, OP_SUM, false), 3, &mut out);
         assert_eq!(out.done.len(), 1);
         assert_eq!(out.done[0].2, vec![6; 4]);
+    }
+
+    /// An allreduce its members disagree on is aborted by the aggregator:
+    /// one KCCL_T_AGG_ABORT (MISMATCH, naming the sender and both
+    /// layouts) to every contributor of the chunk and to the sender, once
+    /// per call; the call's slots are freed and queued for the kernel's.
+    #[test]
+    fn an_allreduce_mismatch_aborts_the_call_for_every_member() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        feed(&mut a, &contrib(1, 8, 0, &[1; 4], 8, OP_SUM, true), 1, &mut out);
+        assert!(answers(&mut a).is_empty());
+        feed(&mut a, &contrib(2, 8, 0, &[1; 4], 12, OP_SUM, true), 2, &mut out);
+        let sent = answers(&mut a);
+        let mut to: Vec<u16> = sent.iter().map(|(r, _, _)| *r).collect();
+        to.sort_unstable();
+        assert_eq!(to, vec![1, 2, 3], "the chunk's contributors (mask 0b1110) and the sender");
+        for (_, h, p) in &sent {
+            assert_eq!((h.msg_type, h.src_rank, h.msg_seq, h.job_id), (T_AGG_ABORT, 0, 8, 5));
+            let (reason, text) = abort::parse(p).expect("abort payload");
+            assert_eq!(reason, AbortReason::Mismatch);
+            assert!(text.contains("rank 2") && text.contains("48 bytes") && text.contains("32 bytes"), "{text}");
+        }
+        assert_eq!((a.stats().aborts_sent, a.stats().abort_freed), (1, 1));
+        assert_eq!(a.take_aborted_calls(), vec![8]);
+        // Once per call: a later mismatching copy is counted, not announced again.
+        feed(&mut a, &contrib(3, 8, 0, &[1; 4], 12, OP_SUM, true), 3, &mut out);
+        feed(&mut a, &contrib(1, 8, 0, &[1; 4], 8, OP_SUM, true), 1, &mut out);
+        assert!(answers(&mut a).iter().all(|(_, h, _)| h.msg_type != T_AGG_ABORT));
+        assert_eq!(a.stats().aborts_sent, 1);
+        // A reduce's mismatch is the root's to announce: no abort here.
+        feed(&mut a, &contrib(1, 20, 0, &[1; 4], 8, OP_SUM, false), 1, &mut out);
+        feed(&mut a, &contrib(2, 20, 0, &[1; 4], 12, OP_SUM, false), 2, &mut out);
+        assert!(answers(&mut a).is_empty());
     }
 
     /// A local root learns of a mismatch whether the bad packet comes

@@ -32,6 +32,9 @@ pub struct AggStats {
     pub pending: u64,
     /// Aborts of a call taken from its members (KCCL_T_AGG_ABORT).
     pub aborts: u64,
+    /// Allreduce calls this aggregator aborted itself: its members sent
+    /// chunks that disagree (length, type, op or contributors).
+    pub aborts_sent: u64,
     /// ACTIVE slots of aborted calls freed at once.
     pub abort_freed: u64,
     /// Contribution for a finished chunk: the answer was sent again.
