@@ -119,8 +119,10 @@ enum ClusterCmd {
         /// chunks follow it (default KCCL_CLUSTER_MTU, else 9000).
         #[arg(long)]
         mtu: Option<u32>,
-        /// Queues of every link, each way (XDP runs per receive queue);
-        /// default KCCL_CLUSTER_QUEUES, else one per CPU (at most 16).
+        /// Queues of every link, each way (XDP runs per receive queue, on
+        /// the sending CPU's queue); default KCCL_CLUSTER_QUEUES, else 1.
+        /// More than one panicked the kernel VM under concurrent XDP
+        /// attaches (docs/KERNELS.md): for one cluster at a time.
         #[arg(long)]
         queues: Option<u32>,
         /// Leave the hosts' neighbour tables empty (filled by ARP, as on a

@@ -28,10 +28,11 @@
 //! (`ClusterSpec::mtu`: 9000 unless KCCL_CLUSTER_MTU says otherwise), which
 //! the group file names, so aggregation chunks follow it (kccl::chunk).
 //!
-//! Every veth has a queue per CPU (`ClusterSpec::queues`, at most 16; or
-//! KCCL_CLUSTER_QUEUES) and the switch's ports steer frames to the queue of
-//! the sending CPU (XPS), so XDP on a host's interface runs on every CPU, as
-//! on a multi-queue NIC (crate::queues says why).
+//! Every veth has one queue unless `ClusterSpec::queues` (at most 16) or
+//! KCCL_CLUSTER_QUEUES asks for more; then the switch's ports steer frames
+//! to the queue of the sending CPU (XPS), so XDP on a host's interface runs
+//! on every CPU, as on a multi-queue NIC (crate::queues says why, and why
+//! it is not the default).
 //!
 //! The group file of the cluster is kept at `/run/kccl/clusters/<name>/group.toml`.
 
@@ -109,7 +110,7 @@ pub struct ClusterSpec {
     /// None: [`default_mtu`] (KCCL_CLUSTER_MTU, else [`DEFAULT_MTU`]).
     pub mtu: Option<u32>,
     /// Queues of every veth end, each way; None: [`queues::default_queues`]
-    /// (KCCL_CLUSTER_QUEUES, else one per CPU).
+    /// (KCCL_CLUSTER_QUEUES, else one).
     pub queues: Option<u32>,
     /// How hosts know each other's MAC addresses.
     pub neighbours: Neighbours,
