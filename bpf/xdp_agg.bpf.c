@@ -59,7 +59,9 @@
  *
  * Slot rules (all under the slot's lock; the key is job, op id, frag_off):
  *  - same key: op, type, payload_len, msg_len, mask_base and contributor mask
- *    must equal the slot's (else MISMATCH, dropped); ACTIVE: counted already
+ *    must equal the slot's (else MISMATCH: a reduce contribution is dropped,
+ *    an allreduce one passed up with KCCL_F_MISMATCH for the runtime to
+ *    abort the call); ACTIVE: counted already
  *    (PENDING answer), being added on another CPU (busy: DUP, dropped) or
  *    added (busy until finish() counts it in seen); DELIVERING (another CPU emits the result right now):
  *    DUP; DONE: answer again (DUP_DONE); UNDELIVERED (the ring buffer was
@@ -636,7 +638,19 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	act = GET(sc, act);
 
 	if (act == ACT_DROP) {
-		stat_add(GET(sc, why), 1);
+		__u32 why = GET(sc, why);
+
+		stat_add(why, 1);
+		/* An allreduce chunk its members disagree on: passed up flagged
+		 * (whole: a multi-buffer frame is never shrunk), so that the
+		 * runtime aborts the call for every member at once. */
+		if (why == KCCL_AS_MISMATCH && c.allreduce) {
+			h->flags = bpf_htons(flags | KCCL_F_MISMATCH);
+			/* No checksum rather than a stale one (as on the answers
+			 * xdp_agg makes): IPv4 UDP allows it. */
+			udp->check = 0;
+			return XDP_PASS;
+		}
 		return XDP_DROP;
 	}
 	if (act == ACT_PENDING) {

@@ -127,6 +127,11 @@ enum kccl_hdr_flag {
 	 * datagram; xdp_agg sends no ACK of its own when the chunk completes
 	 * (it still answers a retransmission of a finished chunk). */
 	KCCL_F_ACK_LATER = 1 << 5,
+	/* Set by xdp_agg on an allreduce contribution that disagrees with its
+	 * chunk's slot (length, type, op, contributors) before it passes it
+	 * up: the aggregator's runtime aborts the call for every member
+	 * (KCCL_T_AGG_ABORT, reason MISMATCH) instead of aggregating it. */
+	KCCL_F_MISMATCH	 = 1 << 6,
 };
 
 /* One destination mask word covers 64 ranks: [mask_base, mask_base + 64). */

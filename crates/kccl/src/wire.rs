@@ -83,6 +83,9 @@ pub const F_USER_ONLY: u16 = 1 << 4;
 /// Reduce contribution: answered by the root's runtime with [`T_AGG_ACKS`]
 /// after it read the chunk, not by xdp_agg per chunk.
 pub const F_ACK_LATER: u16 = 1 << 5;
+/// Set by xdp_agg on an allreduce contribution that disagrees with its
+/// chunk's slot, passed up for the aggregator's runtime to abort the call.
+pub const F_MISMATCH: u16 = 1 << 6;
 pub const MASK_BITS: usize = 64;
 // enum kccl_agg_op
 pub const OP_SUM: u8 = 1;
@@ -480,6 +483,7 @@ mod tests {
             ("KCCL_F_OVERFLOW", F_OVERFLOW as i64),
             ("KCCL_F_USER_ONLY", F_USER_ONLY as i64),
             ("KCCL_F_ACK_LATER", F_ACK_LATER as i64),
+            ("KCCL_F_MISMATCH", F_MISMATCH as i64),
             ("KCCL_MASK_BITS", MASK_BITS as i64),
             ("KCCL_HDR_LEN", HDR_LEN as i64),
         ];

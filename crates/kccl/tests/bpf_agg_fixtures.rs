@@ -44,8 +44,9 @@ use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, T_AGG, T_AGG_ABORT, T_AGG_ACK,
-    T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, T_BCAST, VERSION,
+    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG,
+    T_AGG_ABORT, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK,
+    T_BCAST, VERSION,
 };
 
 mod support;
@@ -987,6 +988,30 @@ fn fixtures() -> Vec<Fixture> {
         f.stats = stats(|s| {
             s.pkts = 1;
             s.mismatch = 4;
+        });
+        f.slots = vec![(op_id, 0, SlotState::Active, 1 << 1)];
+        t.push(f);
+    }
+
+    {
+        // An allreduce contribution that disagrees with its chunk's slot is
+        // passed up whole with KCCL_F_MISMATCH (and no UDP checksum): the
+        // runtime aborts the call for every member.  A reduce one is
+        // dropped (the fixture above).
+        let op_id = ids.alloc(d, &[0]);
+        let a = Contrib::new(1, op_id, SUM, I32, &ranks, &[1, 2, 3, 4]).allreduce();
+        let mut b = Contrib::new(2, op_id, SUM, I32, &ranks, &[1, 2]).allreduce();
+        b.msg_len = 8;
+        let mut flagged = b.frame();
+        flagged.udp_csum = false;
+        let mut h = b.header();
+        h.flags |= F_MISMATCH;
+        flagged.payload[..HDR_LEN].copy_from_slice(&h.to_bytes());
+        let mut f = Fixture::new("allreduce mismatch: passed up flagged for the runtime's abort", d);
+        f.drop(&a).pass(&b, flagged.build());
+        f.stats = stats(|s| {
+            s.pkts = 1;
+            s.mismatch = 1;
         });
         f.slots = vec![(op_id, 0, SlotState::Active, 1 << 1)];
         t.push(f);

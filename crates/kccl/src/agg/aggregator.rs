@@ -110,6 +110,8 @@ impl Aggregator {
         let Aggregator { sock, rb, backend, .. } = self;
         let n = backend.user_mut().serve_batch(sock, rb, Some(wait), &mut sink)?;
         backend.sync_aborts()?;
+        // Aborts it decided on (mismatches the kernel passed up) go now.
+        backend.user_mut().flush(sock)?;
         Ok(n)
     }
 }

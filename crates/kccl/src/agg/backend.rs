@@ -45,6 +45,10 @@ impl AggBackend {
     /// user-space side took (UserAggregator::take_abort; it freed its own):
     /// at once, instead of after the slot timeout.
     pub(super) fn sync_aborts(&mut self) -> Result<()> {
+        #[cfg(feature = "kernel-agg")]
+        if let AggBackend::Kernel(k) = self {
+            k.abort_kernel_mismatches();
+        }
         let calls = self.user_mut().take_aborted_calls();
         #[cfg(feature = "kernel-agg")]
         if let AggBackend::Kernel(k) = self {

@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::agg::user::{AggSink, ChunkDone, UserAggregator};
+use crate::agg::user::{describe_chunk, AggSink, ChunkDone, UserAggregator};
 use crate::agg::AggConfig;
 use crate::error::Result;
 use crate::group::{Group, Member};
@@ -69,6 +69,31 @@ impl KernelBackend {
         let s = self.engine.slot(self.engine.slot_index(op_id, frag_off)).ok()?;
         (s.state == SlotState::Active && s.job_id == self.job_id && s.op_id == op_id && s.frag_off == frag_off)
             .then_some((s.mask_base, s.expected & !s.seen))
+    }
+
+    /// Aborts the calls of the allreduce contributions xdp_agg passed up as
+    /// mismatching their chunk's slot (KCCL_F_MISMATCH): the abort names
+    /// the sender and both layouts (the slot's read from the kernel) and
+    /// goes to the slot's contributors and the sender
+    /// (UserAggregator::abort_mismatch).
+    pub fn abort_kernel_mismatches(&mut self) {
+        for h in self.user.take_kernel_mismatches() {
+            let sent = describe_chunk(true, h.msg_len, h.agg_op, h.dtype, h.dst_mask, h.mask_base);
+            let slot = self.engine.slot(self.engine.slot_index(h.msg_seq, h.frag_off)).ok().filter(|s| {
+                s.state != SlotState::Free
+                    && s.job_id == self.job_id
+                    && (s.op_id, s.frag_off) == (h.msg_seq, h.frag_off)
+            });
+            let (base, expected, detail) = match slot {
+                Some(s) => {
+                    let was = describe_chunk(true, s.msg_len, s.agg_op, s.dtype, s.expected, s.mask_base);
+                    (s.mask_base, s.expected, format!("sent {sent}, the chunk is {was}"))
+                }
+                // Gone since (freed or taken over): the sender's own view.
+                None => (h.mask_base, h.dst_mask, format!("sent {sent}, which the kernel's chunk did not match")),
+            };
+            self.user.abort_mismatch(&h, base, expected, &detail);
+        }
     }
 
     pub fn engine(&self) -> &AggEngine {

@@ -46,8 +46,9 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
-    AbortReason, Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_OVERFLOW, F_USER_ONLY, HDR_LEN, MASK_BITS, T_AGG,
-    T_AGG_ABORT, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK, VERSION,
+    AbortReason, Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY, HDR_LEN,
+    MASK_BITS, T_AGG, T_AGG_ABORT, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK,
+    VERSION,
 };
 use acks::AckBatch;
 use combine::{combine, encode_result};
@@ -87,6 +88,14 @@ struct Meta {
     expected: u64,
 }
 
+/// What a chunk's contributions are, as mismatch messages show it.
+pub fn describe_chunk(allreduce: bool, msg_len: u32, agg_op: u8, dtype: u8, expected: u64, mask_base: u16) -> String {
+    format!(
+        "{} of {msg_len} bytes, op {agg_op} dtype {dtype}, contributors {expected:#x}@{mask_base}",
+        if allreduce { "allreduce" } else { "reduce" },
+    )
+}
+
 impl Meta {
     fn of(h: &Header) -> Meta {
         Meta {
@@ -101,14 +110,13 @@ impl Meta {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "{} of {} bytes, op {} dtype {}, contributors {:#x}@{}",
-            if self.flags & F_ALLREDUCE != 0 { "allreduce" } else { "reduce" },
+        describe_chunk(
+            self.flags & F_ALLREDUCE != 0,
             self.msg_len,
             self.agg_op,
             self.dtype,
             self.expected,
-            self.mask_base
+            self.mask_base,
         )
     }
 }
@@ -159,6 +167,10 @@ pub struct UserAggregator {
     /// Allreduce calls this aggregator aborted on a mismatch (first op
     /// ids, the latest MAX_TRACKED_OPS): each is announced once.
     mismatch_aborted: VecDeque<u32>,
+    /// Allreduce contributions xdp_agg found disagreeing with its slot
+    /// (KCCL_F_MISMATCH), for the kernel backend, which can read the slot,
+    /// to abort their calls (at most MAX_MISMATCH_EVENTS kept).
+    kernel_mismatches: Vec<Header>,
     retired_next: usize,
     ops: HashMap<u32, OpTrack>,
     /// Address of each rank (index = rank).
@@ -244,6 +256,7 @@ impl UserAggregator {
             acks: AckBatch::new(cfg.chunk_bytes),
             mismatches: VecDeque::new(),
             mismatch_aborted: VecDeque::new(),
+            kernel_mismatches: Vec::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
             stats: AggStats::default(),
@@ -386,6 +399,14 @@ impl UserAggregator {
         // The sender must send from its own address and port.
         if self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
             self.stats.not_member += 1;
+            return;
+        }
+        // The kernel found it mismatching (and counted it): its call is
+        // aborted once the backend read the kernel's slot.
+        if h.flags & F_MISMATCH != 0 {
+            if self.kernel_mismatches.len() < MAX_MISMATCH_EVENTS {
+                self.kernel_mismatches.push(*h);
+            }
             return;
         }
         // This aggregator cannot be one of the contributors it waits for.
@@ -542,6 +563,11 @@ impl UserAggregator {
         self.free_call(call);
         self.aborted_calls.push(call);
         self.stats.aborts_sent += 1;
+    }
+
+    /// The allreduce contributions xdp_agg passed up as mismatching.
+    pub fn take_kernel_mismatches(&mut self) -> Vec<Header> {
+        std::mem::take(&mut self.kernel_mismatches)
     }
 
     fn note_mismatch(&mut self, h: &Header, detail: String) {
