@@ -1023,11 +1023,12 @@ fn bad_input(test: &str, paths: Paths) {
                 let r = i32::from(rank);
                 let mut out: Vec<String> = Vec::new();
                 // 0. every member has started (and synced its first call
-                //    with the aggregator) before the mismatch below: a
-                //    member that asks the aggregator which call to start at
-                //    after the others' first call was aborted is told the
-                //    next one (the abort ended the call for them), and
-                //    would not meet the others again
+                //    with the aggregator) before the mismatch below, so
+                //    that every member meets the abort in step a: a member
+                //    that starts after the abort is told the aborted call
+                //    and, on the user path, gets the abort when it
+                //    contributes; on the kernel path its contribution takes
+                //    a kernel slot and it fails by its deadline instead
                 out.push(format!("{:?}", col.allreduce(&[1i32], AggOp::Sum)));
                 sync.wait();
                 // a. mismatched lengths

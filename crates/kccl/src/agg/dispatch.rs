@@ -75,7 +75,7 @@ pub(super) fn pump(
                     }
                     None => sink.abort(&h, p, from),
                 }
-                backend.user_mut().take_abort(&h, from);
+                backend.user_mut().take_abort(&h, p, from);
             }
             _ => stats.other_datagrams += 1,
         }

@@ -164,9 +164,13 @@ pub struct UserAggregator {
     retired_idx: HashMap<(u32, u32), usize>,
     /// Calls aborted by a member since AggBackend::sync_aborts last asked.
     aborted_calls: Vec<u32>,
-    /// Allreduce calls this aggregator aborted on a mismatch (first op
-    /// ids, the latest MAX_TRACKED_OPS): each is announced once.
-    mismatch_aborted: VecDeque<u32>,
+    /// Calls known to be aborted (first op ids: by this aggregator on a
+    /// mismatch, or by a member), the latest MAX_TRACKED_OPS for `linger`,
+    /// each with the abort this aggregator sends to a contribution of it
+    /// that arrives late (a member that started after the abort).  Empty
+    /// most of the time: contributions look it up only when it is not.
+    aborted: HashMap<u32, Vec<u8>>,
+    aborted_order: VecDeque<(u32, Instant)>,
     /// Allreduce contributions xdp_agg found disagreeing with its slot
     /// (KCCL_F_MISMATCH), for the kernel backend, which can read the slot,
     /// to abort their calls (at most MAX_MISMATCH_EVENTS kept).
@@ -255,7 +259,8 @@ impl UserAggregator {
             out: Vec::with_capacity(1024),
             acks: AckBatch::new(cfg.chunk_bytes),
             mismatches: VecDeque::new(),
-            mismatch_aborted: VecDeque::new(),
+            aborted: HashMap::new(),
+            aborted_order: VecDeque::new(),
             kernel_mismatches: Vec::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
@@ -289,9 +294,13 @@ impl UserAggregator {
     }
 
     /// The call a member starting now should begin at: the one after the
-    /// latest finished operation (op ids are call * 4 + k), 0 if none.
+    /// latest finished operation (op ids are call * 4 + k), 0 if none; but
+    /// that operation's own call if it was aborted: the members that ended
+    /// it by the abort wait for this one in the next call, and the late
+    /// member meets them there after its contribution to the aborted call
+    /// is answered with the abort.
     pub fn next_call_hint(&self) -> u32 {
-        self.last_done.map_or(0, |op| op / 4 + 1)
+        self.last_done.map_or(0, |op| op / 4 + u32::from(!self.aborted.contains_key(&(op & !3))))
     }
 
     /// Answers a KCCL_T_AGG_SYNC from a member (checked like a receipt)
@@ -400,6 +409,17 @@ impl UserAggregator {
         if self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
             self.stats.not_member += 1;
             return;
+        }
+        // A call already aborted: this member started late (or missed
+        // the abort); it gets the abort now instead of waiting out its
+        // deadline for members that moved on.
+        if !self.aborted.is_empty() {
+            self.forget_aborts(now);
+            if let Some(d) = self.aborted.get(&(h.msg_seq & !3)).cloned() {
+                self.queue(from, &d);
+                self.stats.aborts_resent += 1;
+                return;
+            }
         }
         // The kernel found it mismatching (and counted it): its call is
         // aborted once the backend read the kernel's slot.
@@ -536,13 +556,9 @@ impl UserAggregator {
     /// root's to announce (root.rs), which knows what it expects.
     pub fn abort_mismatch(&mut self, h: &Header, mask_base: u16, expected: u64, detail: &str) {
         let call = h.msg_seq & !3;
-        if h.flags & F_ALLREDUCE == 0 || self.mismatch_aborted.contains(&call) {
+        if h.flags & F_ALLREDUCE == 0 || self.aborted.contains_key(&call) {
             return;
         }
-        if self.mismatch_aborted.len() >= MAX_TRACKED_OPS {
-            self.mismatch_aborted.pop_front();
-        }
-        self.mismatch_aborted.push_back(call);
         let text = format!(
             "rank {} {detail}: the members of one allreduce must pass the same length, element type and op",
             h.src_rank
@@ -556,13 +572,38 @@ impl UserAggregator {
         to.sort_unstable_by_key(|a| (u32::from(*a.ip()), a.port()));
         to.dedup();
         for a in to {
-            let start = self.arena.len();
-            self.arena.extend_from_slice(&d);
-            self.out.push((a, start, d.len()));
+            self.queue(a, &d);
         }
+        self.remember_abort(call, d);
         self.free_call(call);
         self.aborted_calls.push(call);
         self.stats.aborts_sent += 1;
+    }
+
+    /// Queues datagram `d` to `to` for the next flush.
+    fn queue(&mut self, to: SocketAddrV4, d: &[u8]) {
+        let start = self.arena.len();
+        self.arena.extend_from_slice(d);
+        self.out.push((to, start, d.len()));
+    }
+
+    /// Keeps `d`, the abort of `call`, for late contributions of it.
+    fn remember_abort(&mut self, call: u32, d: Vec<u8>) {
+        if self.aborted.insert(call, d).is_none() {
+            self.aborted_order.push_back((call, Instant::now()));
+        }
+        self.forget_aborts(Instant::now());
+    }
+
+    /// Forgets aborts older than `linger`, and beyond MAX_TRACKED_OPS.
+    fn forget_aborts(&mut self, now: Instant) {
+        while let Some(&(call, t)) = self.aborted_order.front() {
+            if self.aborted_order.len() <= MAX_TRACKED_OPS && now.duration_since(t) <= self.cfg.linger {
+                break;
+            }
+            self.aborted_order.pop_front();
+            self.aborted.remove(&call);
+        }
     }
 
     /// The allreduce contributions xdp_agg passed up as mismatching.
@@ -767,14 +808,22 @@ impl UserAggregator {
     /// named member's address in this job (else counted as `not_member`),
     /// frees the call's ACTIVE slots here and queues the call for the
     /// kernel's (AggBackend::sync_aborts).
-    pub fn take_abort(&mut self, h: &Header, from: SocketAddrV4) {
+    pub fn take_abort(&mut self, h: &Header, payload: &[u8], from: SocketAddrV4) {
         if h.job_id != self.cfg.job_id || self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
             self.stats.not_member += 1;
             return;
         }
         self.stats.aborts += 1;
-        self.free_call(h.msg_seq);
-        self.aborted_calls.push(h.msg_seq & !3);
+        let call = h.msg_seq & !3;
+        self.free_call(call);
+        self.aborted_calls.push(call);
+        // Passed on, from this aggregator, to a member that contributes to
+        // the call late (members accept aborts from the call's aggregator).
+        if let (false, Some((reason, text))) = (self.aborted.contains_key(&call), abort::parse(payload)) {
+            let text = format!("rank {}: {text}", h.src_rank);
+            let d = abort::datagram(self.cfg.job_id, self.cfg.my_rank, h.mask_base, h.dst_mask, call, reason, &text);
+            self.remember_abort(call, d);
+        }
     }
 
     /// Calls aborted since the last call (their first op ids).
@@ -863,7 +912,7 @@ impl UserAggregator {
             match Header::decode(d) {
                 Ok((h, p)) if h.msg_type == T_AGG => self.ingest(&h, p, from, now, sink),
                 Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => self.take_receipt(&h, from),
-                Ok((h, _)) if h.msg_type == T_AGG_ABORT => self.take_abort(&h, from),
+                Ok((h, p)) if h.msg_type == T_AGG_ABORT => self.take_abort(&h, p, from),
                 Ok((h, _)) if h.msg_type == T_AGG_SYNC => {
                     let call = self.next_call_hint();
                     self.answer_sync(&h, from, call);
@@ -1131,11 +1180,17 @@ mod tests {
         }
         assert_eq!((a.stats().aborts_sent, a.stats().abort_freed), (1, 1));
         assert_eq!(a.take_aborted_calls(), vec![8]);
-        // Once per call: a later mismatching copy is counted, not announced again.
+        // Once per call: later copies of it get the same abort back, to
+        // their sender only, and take no slot.
         feed(&mut a, &contrib(3, 8, 0, &[1; 4], 12, OP_SUM, true), 3, &mut out);
         feed(&mut a, &contrib(1, 8, 0, &[1; 4], 8, OP_SUM, true), 1, &mut out);
-        assert!(answers(&mut a).iter().all(|(_, h, _)| h.msg_type != T_AGG_ABORT));
-        assert_eq!(a.stats().aborts_sent, 1);
+        let again: Vec<u16> = answers(&mut a)
+            .iter()
+            .map(|(to, h, _)| (h.msg_type == T_AGG_ABORT).then_some(*to))
+            .collect::<Option<_>>()
+            .expect("aborts only");
+        assert_eq!(again, vec![3, 1]);
+        assert_eq!((a.stats().aborts_sent, a.stats().aborts_resent, a.stats().abort_freed), (1, 2, 1));
         // A reduce's mismatch is the root's to announce: no abort here.
         feed(&mut a, &contrib(1, 20, 0, &[1; 4], 8, OP_SUM, false), 1, &mut out);
         feed(&mut a, &contrib(2, 20, 0, &[1; 4], 12, OP_SUM, false), 2, &mut out);
@@ -1298,6 +1353,48 @@ mod tests {
         let before = a.stats().not_member;
         a.answer_sync(&q, from(4), a.next_call_hint());
         assert_eq!((call_of(&mut a), a.stats().not_member - before), (vec![], 1));
+    }
+
+    /// A member that starts after its first call was aborted is told to
+    /// start at that call (not the next: the others wait for it there) and
+    /// its contribution to the aborted call is answered with the abort,
+    /// for a mismatch this aggregator found and for a member's abort.
+    #[test]
+    fn late_members_meet_the_abort_of_their_first_call() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        // Call 2 (ops 8-11): ranks 1 and 2 disagree; the aggregator aborts it.
+        feed(&mut a, &contrib(1, 9, 0, &[1; 4], 8, OP_SUM, true), 1, &mut out);
+        feed(&mut a, &contrib(2, 9, 0, &[1; 4], 12, OP_SUM, true), 2, &mut out);
+        assert_eq!(answers(&mut a).len(), 3, "the abort to ranks 1, 2 and 3");
+        // They failed the call and said so (receipts of op 9).
+        let mut r = contrib(1, 9, 0, &[1; 4], 8, OP_SUM, true).h;
+        r.msg_type = T_AGG_RECEIPT;
+        r.payload_len = 0;
+        (r.frag_off, r.msg_len) = (32, 32);
+        a.take_receipt(&r, from(1));
+        assert_eq!(a.next_call_hint(), 2, "the aborted call itself");
+        // Rank 3 starts late and contributes to call 2: the abort, to it only.
+        feed(&mut a, &contrib(3, 9, 0, &[1; 4], 8, OP_SUM, true), 3, &mut out);
+        let sent = answers(&mut a);
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1.msg_type, sent[0].1.msg_seq), (3, T_AGG_ABORT, 8));
+        assert_eq!(a.stats().aborts_resent, 1);
+        // A member's abort (rank 1: NaN in call 4) is passed on the same way,
+        // from this aggregator, naming the rank.
+        let d = abort::datagram(5, 1, 0, 0b1110, 16, AbortReason::NonFinite, "element 3 is NaN");
+        let (h, p) = Header::decode(&d).expect("abort decodes");
+        a.take_abort(&h, p, from(1));
+        feed(&mut a, &contrib(2, 17, 0, &[1; 4], 8, OP_SUM, true), 2, &mut out);
+        let sent = answers(&mut a);
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1.src_rank, sent[0].1.msg_seq), (2, 0, 16));
+        let (reason, text) = abort::parse(&sent[0].2).expect("payload");
+        assert_eq!((reason, text.as_str()), (AbortReason::NonFinite, "rank 1: element 3 is NaN"));
+        // Calls that were not aborted: the next call, as before.
+        r.msg_seq = 21;
+        a.take_receipt(&r, from(1));
+        assert_eq!(a.next_call_hint(), 6);
     }
 
     #[test]

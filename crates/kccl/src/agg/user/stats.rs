@@ -35,6 +35,9 @@ pub struct AggStats {
     /// Allreduce calls this aggregator aborted itself: its members sent
     /// chunks that disagree (length, type, op or contributors).
     pub aborts_sent: u64,
+    /// Aborts sent again to a contribution of an aborted call (a member
+    /// that started late).
+    pub aborts_resent: u64,
     /// ACTIVE slots of aborted calls freed at once.
     pub abort_freed: u64,
     /// Contribution for a finished chunk: the answer was sent again.
