@@ -991,7 +991,10 @@ mod tests {
         // so only timeouts can).  The first timeout resends TIMEOUT_BURST
         // of them as a probe; once a probe is answered the aggregator is
         // alive and the rest are lost, so the bursts double per answered
-        // probe: 4 + 8 + 16 + 32 + 64 > 64 in at most 5 timeout events.
+        // probe: 4 + 8 + 16 + 32 + 64 > 64 in about 5 timeout events (one
+        // or two more when a burst finds chunks not yet expired: on a busy
+        // machine the tail's chunks were sent over several milliseconds);
+        // bounded here by 8, half of what resending 4 per timeout took.
         // Resending only TIMEOUT_BURST per timeout took 16 (the 138 s and
         // 450 s collapses of 256 MiB reduces on 2026-11-23: hundreds of
         // timeouts, the machine idle).
@@ -1002,7 +1005,7 @@ mod tests {
         for (out, s) in both_dropping(&g, 16 * chunks, t, loss) {
             assert_eq!(out, expect(16 * chunks));
             assert_eq!(s.chunks, chunks as u64);
-            assert!(s.stalls <= 5, "a lost tail of 64 chunks took {} timeout events: {s:?}", s.stalls);
+            assert!(s.stalls <= 8, "a lost tail of 64 chunks took {} timeout events: {s:?}", s.stalls);
             assert!(s.retransmits >= 64, "{s:?}");
         }
     }
