@@ -57,6 +57,8 @@ test-kernels: build
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	# The user-space-only build (no BPF toolchain) must keep compiling.
+	$(CARGO) clippy --release -p kccl --no-default-features -- -D warnings
 
 # The whole benchmark suite (docs/BENCHMARKS.md): kernel path, user-space path, Gloo and
 # Open MPI; one JSON + PNG per experiment and summary.md in BENCH_OUT. Takes hours at full size;

@@ -10,6 +10,7 @@ use crate::group::{Group, Member};
 use crate::netns;
 
 use super::config::AggConfig;
+#[cfg(feature = "kernel-agg")]
 use super::kernel_backend;
 use super::user::{AggSink, UserAggConfig, UserAggregator};
 use crate::bcast::{Path, PathChoice};
