@@ -71,6 +71,7 @@ enum kccl_abort_reason {
 	KCCL_ABORT_NON_FINITE	= 1,	/* NaN or infinity in a member's float input */
 	KCCL_ABORT_OVERFLOW	= 2,	/* the result does not fit the element type */
 	KCCL_ABORT_MISMATCH	= 3,	/* members passed different lengths, ops or types */
+	KCCL_ABORT_UNSUPPORTED	= 4,	/* an op or element type the aggregator does not know */
 };
 
 #define KCCL_AGG_ABORT_MAX_TEXT 512

@@ -47,11 +47,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kccl::agg::user::AggStats;
-use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element, Path, PathChoice, Quant};
+use kccl::agg::{abort, quant, AggConfig, AggOp, Aggregator, Collective, Element, Path, PathChoice, Quant};
 use kccl::error::Error;
 use kccl::group::{Group, Member};
 use kccl::netns;
-use kccl::wire::{AbortReason, Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
+use kccl::wire::{AbortReason, Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, T_AGG_ABORT, VERSION};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 
 #[path = "../../kccl/tests/support/mod.rs"]
@@ -1061,7 +1061,62 @@ fn bad_input(test: &str, paths: Paths) {
                 // f. i32 AVG of the same: the sum overflows, the average
                 //    does not (exact through the redo)
                 out.push(format!("{:?}", col.allreduce(&big, AggOp::Avg)));
-                (rank, out, col.stats())
+                // g. rank 2 runs another kccl version: its contribution to
+                //    the next call has op 9, which the aggregator does not
+                //    know; the others fail at once with that cause (not at
+                //    their deadline), and rank 2 is told too.  (The call's
+                //    op id: every member synced at call 0 with the fresh
+                //    aggregator, so it is the number of calls made, times 4.)
+                let stats = col.stats();
+                if rank == 2 {
+                    let call_op = stats.calls as u32 * 4;
+                    let port = g.members[2].port;
+                    drop(col);
+                    let sock = UdpSocket::bind(SocketAddrV4::new(cluster::host_addr(2), port)).expect("bind rank 2");
+                    sock.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+                    sync.wait();
+                    let h = Header {
+                        version: VERSION,
+                        msg_type: T_AGG,
+                        flags: F_ALLREDUCE | F_LAST_FRAG,
+                        job_id: ALLREDUCE_JOB,
+                        src_rank: 2,
+                        mask_base: 0,
+                        dst_mask: 0b111,
+                        msg_seq: call_op,
+                        frag_off: 0,
+                        msg_len: 4,
+                        payload_len: 4,
+                        agg_op: 9,
+                        dtype: DT_I32,
+                    };
+                    let mut d = h.to_bytes().to_vec();
+                    d.extend_from_slice(&3i32.to_be_bytes());
+                    let mut got = String::from("no abort in 10 tries");
+                    let mut buf = [0u8; 2048];
+                    'tries: for _ in 0..10 {
+                        sock.send_to(&d, agg_addr).expect("send");
+                        while let Ok((n, _)) = sock.recv_from(&mut buf) {
+                            if let Ok((a, p)) = Header::decode(&buf[..n]) {
+                                if a.msg_type == T_AGG_ABORT {
+                                    let text = abort::parse(p).map(|(_, t)| t).unwrap_or_default();
+                                    got = format!("abort from {}: {text} (op {})", a.src_rank, a.msg_seq);
+                                    break 'tries;
+                                }
+                            }
+                        }
+                    }
+                    out.push(got);
+                } else {
+                    sync.wait();
+                    out.push(match col.allreduce(&[1 + r], AggOp::Sum) {
+                        Err(Error::Aborted { rank, reason, detail, .. }) => {
+                            format!("Aborted by {rank}: {reason:?}: {detail}")
+                        }
+                        other => format!("{other:?}"),
+                    });
+                }
+                (rank, out, stats)
             })
         })
         .collect();
@@ -1077,7 +1132,7 @@ fn bad_input(test: &str, paths: Paths) {
     for (rank, (out, stats)) in &results {
         // The aggregator's PENDING answers (both paths) name the member
         // whose contribution is missing (mismatching).
-        let expect: [&str; 7] = [
+        let expect: [&str; 8] = [
             "Ok([3])",
             // (the aggregator aborts the call: every member gets the
             // mismatch from it, naming both lengths; on the kernel path
@@ -1090,6 +1145,7 @@ fn bad_input(test: &str, paths: Paths) {
             "Ok([1.5])",
             "Overflow element 2 sums to 3000000000",
             "Ok([1, 2, 1000000000, 4])",
+            if *rank == 2 { "abort from 3: rank 2 sent op 9" } else { "Aborted by 3: Unsupported: rank 2 sent op 9" },
         ];
         if out.len() != expect.len() {
             bad.push(format!("rank {rank}: {} steps ran", out.len()));
@@ -1126,6 +1182,10 @@ fn bad_input(test: &str, paths: Paths) {
     // a race here, so checked by the fixtures and unit tests instead).
     if astats.aborts == 0 {
         bad.push(format!("aggregator: the NaN call's abort did not reach it: {astats:?}"));
+    }
+    // Both paths: rank 2's unknown op reached user space and was counted.
+    if astats.unsupported == 0 {
+        bad.push(format!("aggregator: rank 2's op 9 not counted as unsupported: {astats:?}"));
     }
     // Both paths: the redo's USER_ONLY packets reach the user-space aggregator.
     if astats.user_only == 0 {

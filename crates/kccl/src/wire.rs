@@ -50,6 +50,9 @@ pub enum AbortReason {
     Overflow = 2,
     /// Members passed different lengths, ops or element types.
     Mismatch = 3,
+    /// A member sent an op or element type the aggregator does not know
+    /// (it runs another kccl version).
+    Unsupported = 4,
 }
 
 impl AbortReason {
@@ -58,6 +61,7 @@ impl AbortReason {
             1 => Some(AbortReason::NonFinite),
             2 => Some(AbortReason::Overflow),
             3 => Some(AbortReason::Mismatch),
+            4 => Some(AbortReason::Unsupported),
             _ => None,
         }
     }
@@ -69,6 +73,7 @@ impl std::fmt::Display for AbortReason {
             AbortReason::NonFinite => "non-finite input",
             AbortReason::Overflow => "overflow",
             AbortReason::Mismatch => "mismatched calls",
+            AbortReason::Unsupported => "unsupported op or element type",
         })
     }
 }
@@ -469,6 +474,7 @@ mod tests {
             ("KCCL_ABORT_NON_FINITE", AbortReason::NonFinite as i64),
             ("KCCL_ABORT_OVERFLOW", AbortReason::Overflow as i64),
             ("KCCL_ABORT_MISMATCH", AbortReason::Mismatch as i64),
+            ("KCCL_ABORT_UNSUPPORTED", AbortReason::Unsupported as i64),
             ("KCCL_OP_SUM", OP_SUM as i64),
             ("KCCL_OP_COUNT", OP_COUNT as i64),
             ("KCCL_OP_MAX", OP_MAX as i64),

@@ -394,6 +394,7 @@ impl UserAggregator {
             }
             Err(Reject::Unsupported) => {
                 self.stats.unsupported += 1;
+                self.refuse_unsupported(h, from, now, sink);
                 return;
             }
             Err(Reject::Malformed) => {
@@ -413,13 +414,8 @@ impl UserAggregator {
         // A call already aborted: this member started late (or missed
         // the abort); it gets the abort now instead of waiting out its
         // deadline for members that moved on.
-        if !self.aborted.is_empty() {
-            self.forget_aborts(now);
-            if let Some(d) = self.aborted.get(&(h.msg_seq & !3)).cloned() {
-                self.queue(from, &d);
-                self.stats.aborts_resent += 1;
-                return;
-            }
+        if self.resend_abort(h, from, now) {
+            return;
         }
         // The kernel found it mismatching (and counted it): its call is
         // aborted once the backend read the kernel's slot.
@@ -548,23 +544,53 @@ impl UserAggregator {
 
     /// An allreduce chunk its members disagree on (length, type, op or
     /// contributors: `detail` says how `h` differs from `slot`): the call
-    /// cannot complete, so every member of it (the slot's contributors and
-    /// the sender) is told at once, KCCL_T_AGG_ABORT with reason MISMATCH
-    /// from this aggregator, instead of waiting out its deadline; the
-    /// call's slots here (and, through AggBackend::sync_aborts, the
-    /// kernel's) are freed.  Once per call.  A reduce's mismatch is the
-    /// root's to announce (root.rs), which knows what it expects.
+    /// cannot complete, so it is aborted with reason MISMATCH (abort_call).
+    /// A reduce's mismatch is the root's to announce (root.rs), which knows
+    /// what it expects.
     pub fn abort_mismatch(&mut self, h: &Header, mask_base: u16, expected: u64, detail: &str) {
-        let call = h.msg_seq & !3;
-        if h.flags & F_ALLREDUCE == 0 || self.aborted.contains_key(&call) {
-            return;
-        }
         let text = format!(
             "rank {} {detail}: the members of one allreduce must pass the same length, element type and op",
             h.src_rank
         );
-        let d =
-            abort::datagram(self.cfg.job_id, self.cfg.my_rank, mask_base, expected, call, AbortReason::Mismatch, &text);
+        self.abort_call(h, mask_base, expected, AbortReason::Mismatch, &text);
+    }
+
+    /// A contribution with an op or element type this aggregator does not
+    /// know (its sender runs another kccl version, or is not kccl): counted
+    /// as `unsupported` and, when it really comes from a contributor of
+    /// the call it names (its own address, its bit in the mask), its call
+    /// fails at once for every member instead of at their deadline: an
+    /// allreduce is aborted here with reason UNSUPPORTED; a reduce goes to
+    /// the root (the sink), which finds it differs from the op it runs and
+    /// announces the abort itself.
+    fn refuse_unsupported(&mut self, h: &Header, from: SocketAddrV4, now: Instant, sink: &mut dyn AggSink) {
+        let (base, r) = (h.mask_base as usize, h.src_rank as usize);
+        let in_mask = base % MASK_BITS == 0 && r >= base && r - base < MASK_BITS && h.dst_mask >> (r - base) & 1 != 0;
+        if !in_mask || self.members.get(r).copied().flatten() != Some(from) || self.resend_abort(h, from, now) {
+            return;
+        }
+        if h.flags & F_ALLREDUCE == 0 {
+            self.admitted(h, sink);
+            return;
+        }
+        let detail = format!("sent op {} dtype {}, which this aggregator does not support", h.agg_op, h.dtype);
+        let text = format!("rank {r} {detail}: every member of a job must run the same kccl version");
+        self.abort_call(h, h.mask_base, h.dst_mask, AbortReason::Unsupported, &text);
+        self.note_mismatch(h, detail);
+    }
+
+    /// Aborts the allreduce call of `h` (`reason`, `text` says what to
+    /// fix): every member of it (contributors `expected` at `mask_base`, and
+    /// the sender) is told at once, KCCL_T_AGG_ABORT from this aggregator,
+    /// instead of waiting out its deadline; the call's slots here (and,
+    /// through AggBackend::sync_aborts, the kernel's) are freed, and the
+    /// abort is kept for late contributions.  Once per call.
+    fn abort_call(&mut self, h: &Header, mask_base: u16, expected: u64, reason: AbortReason, text: &str) {
+        let call = h.msg_seq & !3;
+        if h.flags & F_ALLREDUCE == 0 || self.aborted.contains_key(&call) {
+            return;
+        }
+        let d = abort::datagram(self.cfg.job_id, self.cfg.my_rank, mask_base, expected, call, reason, text);
         let base = mask_base as usize;
         let ranks = (0..MASK_BITS).filter(|b| expected >> b & 1 != 0).map(|b| base + b);
         let mut to: Vec<SocketAddrV4> =
@@ -585,6 +611,19 @@ impl UserAggregator {
         let start = self.arena.len();
         self.arena.extend_from_slice(d);
         self.out.push((to, start, d.len()));
+    }
+
+    /// Answers a contribution to a call aborted here (or passed on from a
+    /// member) with its abort; false if its call is not one of them.
+    fn resend_abort(&mut self, h: &Header, from: SocketAddrV4, now: Instant) -> bool {
+        if self.aborted.is_empty() {
+            return false;
+        }
+        self.forget_aborts(now);
+        let Some(d) = self.aborted.get(&(h.msg_seq & !3)).cloned() else { return false };
+        self.queue(from, &d);
+        self.stats.aborts_resent += 1;
+        true
     }
 
     /// Keeps `d`, the abort of `call`, for late contributions of it.
@@ -1195,6 +1234,55 @@ mod tests {
         feed(&mut a, &contrib(1, 20, 0, &[1; 4], 8, OP_SUM, false), 1, &mut out);
         feed(&mut a, &contrib(2, 20, 0, &[1; 4], 12, OP_SUM, false), 2, &mut out);
         assert!(answers(&mut a).is_empty());
+    }
+
+    /// A member of another kccl version sends an op (or element type)
+    /// this aggregator does not know: its allreduce fails for every member
+    /// at once, naming the rank and the cause; a reduce's is the root's.
+    #[test]
+    fn an_unknown_op_aborts_the_call_for_every_member() {
+        let mut a = agg(8);
+        let mut out = Out::default();
+        feed(&mut a, &contrib(1, 8, 0, &[1; 4], 4, OP_SUM, true), 1, &mut out);
+        // Not from the sender's own address: counted, nothing aborted.
+        let odd = contrib(2, 8, 0, &[1; 4], 4, 9, true);
+        a.ingest(&odd.h, &odd.p, from(3), Instant::now(), &mut out);
+        assert!(answers(&mut a).is_empty());
+        assert_eq!((a.stats().unsupported, a.stats().aborts_sent), (1, 0));
+        feed(&mut a, &odd, 2, &mut out);
+        let sent = answers(&mut a);
+        let mut to: Vec<u16> = sent.iter().map(|(r, _, _)| *r).collect();
+        to.sort_unstable();
+        assert_eq!(to, vec![1, 2, 3], "the call's contributors (mask 0b1110)");
+        for (_, h, p) in &sent {
+            assert_eq!((h.msg_type, h.src_rank, h.msg_seq), (T_AGG_ABORT, 0, 8));
+            let (reason, text) = abort::parse(p).expect("abort payload");
+            assert_eq!(reason, AbortReason::Unsupported);
+            assert!(text.contains("rank 2 sent op 9") && text.contains("version"), "{text}");
+        }
+        assert_eq!((a.stats().aborts_sent, a.stats().abort_freed), (1, 1), "rank 1's slot freed");
+        assert_eq!(a.take_aborted_calls(), vec![8]);
+        assert_eq!(a.take_mismatches().len(), 1);
+        // Its retransmission gets the same abort back, to it alone.
+        feed(&mut a, &odd, 2, &mut out);
+        let again = answers(&mut a);
+        assert_eq!((again.len(), again[0].0, again[0].1.msg_type), (1, 2, T_AGG_ABORT));
+        assert_eq!((a.stats().aborts_sent, a.stats().aborts_resent), (1, 1));
+        // An unknown element type too.
+        let mut bad_type = contrib(3, 12, 0, &[1; 4], 4, OP_SUM, true);
+        bad_type.h.dtype = 0xee;
+        feed(&mut a, &bad_type, 3, &mut out);
+        let sent = answers(&mut a);
+        assert_eq!(sent.len(), 3);
+        assert!(abort::parse(&sent[0].2).expect("abort").1.contains("rank 3 sent op 1 dtype 238"));
+        assert_eq!(a.take_mismatches().len(), 1);
+        // A reduce: the root (the sink) is asked and names the mismatch.
+        out.admit = Some(Admit::Mismatch("the root runs op 1".into()));
+        feed(&mut a, &contrib(2, 20, 0, &[1; 4], 4, 9, false), 2, &mut out);
+        assert!(answers(&mut a).is_empty(), "no abort from the aggregator for a reduce");
+        let m = a.take_mismatches();
+        assert_eq!((m.len(), m[0].rank, m[0].detail.as_str()), (1, 2, "the root runs op 1"));
+        assert_eq!(a.stats().unsupported, 5);
     }
 
     /// A local root learns of a mismatch whether the bad packet comes
