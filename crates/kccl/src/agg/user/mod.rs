@@ -566,7 +566,14 @@ impl UserAggregator {
     fn refuse_unsupported(&mut self, h: &Header, from: SocketAddrV4, now: Instant, sink: &mut dyn AggSink) {
         let (base, r) = (h.mask_base as usize, h.src_rank as usize);
         let in_mask = base % MASK_BITS == 0 && r >= base && r - base < MASK_BITS && h.dst_mask >> (r - base) & 1 != 0;
-        if !in_mask || self.members.get(r).copied().flatten() != Some(from) || self.resend_abort(h, from, now) {
+        if !in_mask {
+            return;
+        }
+        if self.members.get(r).copied().flatten() != Some(from) {
+            self.stats.not_member += 1;
+            return;
+        }
+        if self.resend_abort(h, from, now) {
             return;
         }
         if h.flags & F_ALLREDUCE == 0 {
@@ -1248,7 +1255,7 @@ mod tests {
         let odd = contrib(2, 8, 0, &[1; 4], 4, 9, true);
         a.ingest(&odd.h, &odd.p, from(3), Instant::now(), &mut out);
         assert!(answers(&mut a).is_empty());
-        assert_eq!((a.stats().unsupported, a.stats().aborts_sent), (1, 0));
+        assert_eq!((a.stats().unsupported, a.stats().not_member, a.stats().aborts_sent), (1, 1, 0));
         feed(&mut a, &odd, 2, &mut out);
         let sent = answers(&mut a);
         let mut to: Vec<u16> = sent.iter().map(|(r, _, _)| *r).collect();
