@@ -37,8 +37,9 @@
  *    the same interface (if loaded) passes them untouched.
  *  - A destination that cannot be served (no member, unresolved MAC, failed
  *    clone) is counted (KCCL_AS_FANOUT_MISSED) and reported on
- *    agg_miss_events, so the runtime can send that copy from user space; the
- *    contributor's retransmission would otherwise fetch it (DUP_DONE).
+ *    agg_miss_events with the answer's datagram (struct kccl_agg_miss), so
+ *    the runtime sends that copy from user space at once; if even the ring
+ *    is full, the contributor's retransmission fetches it (DUP_DONE).
  *  - Everything else passes untouched to the next program of the TCX chain
  *    (TCX_NEXT; not counted: xdp_agg counts it).
  * Counters go to agg_stats (FANOUT_COPIES, FANOUT_MISSED), shared with
@@ -80,9 +81,14 @@ struct {
 	__type(value, __u64);
 } agg_stats SEC(".maps");
 
+/* struct kccl_agg_miss records: each reserves a whole maximal answer (the
+ * reservation's size must be a constant), so 1 MiB holds 16; misses are
+ * rare (a failed clone, a member without a next hop) and the runtime drains
+ * them after every receive batch.  A miss that finds the ring full is still
+ * counted (FANOUT_MISSED) and repaired by the contributor's retransmission. */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 256 * 1024);
+	__uint(max_entries, 1024 * 1024);
 } agg_miss_events SEC(".maps");
 
 static __always_inline void stat_add(__u32 idx, __u64 n)
@@ -93,10 +99,50 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 		*v += n;
 }
 
+/* Anchor: makes struct kccl_agg_miss part of the skeleton, so the runtime
+ * reads the records with the generated definition (a pointer: 8 bytes of
+ * .bss, not a whole record). */
+struct kccl_agg_miss *kccl_agg_miss_layout;
+
 /* The shared clone-and-rewrite fan-out, on this program's maps. */
 #define KCCL_FANOUT_MEMBERS members
-#define KCCL_FANOUT_ON_MISS(f, rank, why) kccl_fanout_ring_miss(&agg_miss_events, (f), (rank), (why))
+#define KCCL_FANOUT_ON_MISS(f, rank, why) report_agg_miss((f), (rank), (why))
+struct fanout;
+static __always_inline void report_agg_miss(const struct fanout *f, __u32 rank, __u16 why);
 #include "kccl_fanout.h"
+
+/* A destination the fan-out could not serve: its event and the answer's
+ * datagram (the skb ends at the datagram: trimmed before the fan-out). */
+static __always_inline void report_agg_miss(const struct fanout *f, __u32 rank, __u16 why)
+{
+	struct kccl_agg_miss *m;
+	/* 64-bit: the bounds checks below then hold for the register passed
+	 * to bpf_skb_load_bytes (with __u32, clang checks a zero-extended
+	 * copy and passes the unbounded original). */
+	__u64 off = f->l4_off + sizeof(struct udphdr);
+	__u64 skb_len = f->skb->len;
+	__u64 len;
+
+	m = bpf_ringbuf_reserve(&agg_miss_events, sizeof(*m), 0);
+	if (!m)
+		return;
+	m->ev.job_id = f->job_id;
+	m->ev.msg_seq = f->msg_seq;
+	m->ev.frag_off = f->frag_off;
+	m->ev.rank = rank;
+	m->ev.reason = why;
+	m->pad = 0;
+	len = skb_len > off ? skb_len - off : 0;
+	if (len > KCCL_AGG_MISS_DGRAM_MAX)
+		len = 0;
+	/* Two separate branches: merged by clang into one range check, the
+	 * verifier would not learn that len is at least 1. */
+	barrier_var(len);
+	if (len && bpf_skb_load_bytes(f->skb, off, m->dgram, len))
+		len = 0;
+	m->dgram_len = len;
+	bpf_ringbuf_submit(m, 0);
+}
 
 SEC("tcx/ingress")
 int kccl_tc_agg_result(struct __sk_buff *skb)

@@ -125,6 +125,23 @@ struct kccl_agg_sub {
 
 _Static_assert(sizeof(struct kccl_agg_sub) == 16 + KCCL_AGG_SUB_ELEMS * 8, "sub-block layout");
 
+/* A record of agg_miss_events (tc_agg_result): a destination its fan-out
+ * could not serve, with the answer itself, so that the runtime sends that
+ * copy from user space at once (the kernel's slot may be reused, and a
+ * reduce's ACK or an allreduce's RESULT is not rebuilt there).  dgram is the
+ * answer's UDP payload (kccl header and payload, FANOUT already cleared);
+ * dgram_len 0 if it could not be copied (the event still names the rank). */
+#define KCCL_AGG_MISS_DGRAM_MAX	(KCCL_HDR_LEN + KCCL_AGG_MAX_PAYLOAD)
+
+struct kccl_agg_miss {
+	struct kccl_miss_event ev;
+	__u32 dgram_len;
+	__u32 pad;
+	__u8  dgram[KCCL_AGG_MISS_DGRAM_MAX];
+};
+
+_Static_assert(sizeof(struct kccl_agg_miss) == 24 + KCCL_AGG_MISS_DGRAM_MAX, "miss record layout");
+
 /* Per-CPU counters of the aggregation programs (index into agg_stats). */
 enum kccl_agg_stat {
 	KCCL_AS_PKTS = 0,	/* contributions added to a slot */

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
+use kccl::agg::{AggConfig, Aggregator, Path, PathChoice};
 use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats};
 use kccl::netns;
 use kccl::wire::{Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, MAGIC, T_AGG, T_AGG_ACK, T_AGG_RESULT, VERSION};
@@ -269,6 +270,69 @@ fn run(c: &cluster::Cluster) -> kccl::Result<()> {
     })
 }
 
+/// A fan-out miss served from user space: the Aggregator service (kernel
+/// path) forgets rank 2's next hop after rank 2 contributed, so
+/// tc_agg_result cannot send rank 2 its RESULT copies when rank 1 completes
+/// the chunks; the service relays the answers the miss records carry, from
+/// its own port, and gives rank 2 its next hop back from the neighbour table.
+fn run_miss_relay(c: &cluster::Cluster) -> kccl::Result<()> {
+    let mut group = c.group.clone();
+    group.aggregator = Some(0);
+    group.chunk_bytes = CHUNK as u32; // the chunk of contributions()
+    assert_eq!(group.job_id, 1, "contributions() sends for job 1");
+    let hosts = c.hosts.clone();
+    netns::run_in(Some(&hosts[0].netns.clone()), move || {
+        let mut svc = Aggregator::new(&group, 0, PathChoice::Kernel, AggConfig::default())?;
+        assert_eq!(svc.path(), Path::Kernel, "{}", svc.path_reason());
+        let agg = hosts[0].addr;
+        let n = 500;
+        let (w1, w2) = (values(1, n), values(2, n).iter().map(|x| x << 20).collect::<Vec<_>>());
+        let chunks = (n * 8).div_ceil(CHUNK);
+        let t2 = {
+            let (ns, a, p) = (hosts[2].netns.clone(), hosts[2].addr, contributions(2, 3, I64, true, &encode(I64, &w2)));
+            std::thread::spawn(move || contributor(ns, a, agg, p, chunks))
+        };
+        let pkts = |svc: &mut Aggregator| svc.kernel_stats().map(|s| s.map_or(0, |s| s.pkts));
+        let t0 = Instant::now();
+        while pkts(&mut svc)? < chunks as u64 && t0.elapsed() < Duration::from_secs(5) {
+            svc.serve_once(Duration::from_millis(10))?;
+        }
+        assert_eq!(pkts(&mut svc)?, chunks as u64, "rank 2's contributions reached xdp_agg");
+        let engine = svc.kernel_engine_mut().expect("kernel path");
+        let mac2 = engine.next_hop(2)?.expect("rank 2's next hop, learned from its contributions");
+        engine.set_member(2, hosts[2].addr, PORT, None)?;
+        let t1 = {
+            let (ns, a, p) = (hosts[1].netns.clone(), hosts[1].addr, contributions(1, 3, I64, true, &encode(I64, &w1)));
+            std::thread::spawn(move || contributor(ns, a, agg, p, chunks))
+        };
+        let t0 = Instant::now();
+        while svc.stats().misses_relayed < chunks as u64 && t0.elapsed() < Duration::from_secs(5) {
+            svc.serve_once(Duration::from_millis(10))?;
+        }
+        let a1 = t1.join().expect("contributor 1")?;
+        let a2 = t2.join().expect("contributor 2")?;
+        let want: Vec<i64> = w1.iter().zip(&w2).map(|(a, b)| a + b).collect();
+        for (r, got) in [(1, &a1), (2, &a2)] {
+            let mut by_off: Vec<&Answer> = got.iter().collect();
+            by_off.sort_by_key(|a| a.frag_off);
+            let mut vals = Vec::new();
+            for a in by_off {
+                assert_eq!((a.msg_type, a.src_rank, a.dst_mask, a.op_id), (T_AGG_RESULT, 0, 0b110, 3), "rank {r}");
+                assert!(a.flags & F_FANOUT == 0, "rank {r}: a final answer: {a:?}");
+                vals.extend(decode(I64, &a.payload));
+            }
+            assert_eq!(vals, want, "rank {r}: every RESULT, exact (rank 2's relayed from user space)");
+        }
+        let (user, kernel) = (svc.stats(), svc.kernel_stats()?.expect("kernel counters"));
+        println!("miss relay: user {user:?}\nkernel {kernel:?}");
+        assert_eq!((kernel.fanout_missed, kernel.fanout_copies), (chunks as u64, chunks as u64));
+        assert_eq!((user.misses_relayed, user.misses_unserved), (chunks as u64, 0));
+        let engine = svc.kernel_engine_mut().expect("kernel path");
+        assert_eq!(engine.next_hop(2)?, Some(mac2), "rank 2's next hop taken back from the neighbour table");
+        Ok(())
+    })
+}
+
 #[test]
 fn agg_kernel_smoke() {
     if !root_or_skip("agg_kernel_smoke", "network namespaces, BPF") {
@@ -276,7 +340,7 @@ fn agg_kernel_smoke() {
     }
     let name = cluster::unique_name("aggsm");
     let guard = ClusterGuard::up(&ClusterSpec::new(&name, 3)).expect("cluster up");
-    let r = run(&guard.cluster);
+    let r = run(&guard.cluster).and_then(|()| run_miss_relay(&guard.cluster));
     drop(guard);
     let left: Vec<String> = std::fs::read_dir(netns::NETNS_RUN_DIR)
         .map(|rd| rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.contains(&name)).collect())

@@ -39,7 +39,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use kccl::error::is_root;
-use kccl::kernel::{MissEvent, MissReason, CLONE_MARK};
+use kccl::kernel::{AggMiss, MissReason, CLONE_MARK};
 use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
@@ -2179,6 +2179,13 @@ fn xdp_agg_ns_per_packet() {
 // tc_agg_result fixtures (namespace + veth + AF_PACKET capture).
 
 /// The same frame addressed to contributor `rank` (what its copy must be).
+/// The UDP payload of an Ethernet/IPv4 frame (up to the IPv4 tot_len).
+fn udp_payload(f: &[u8]) -> &[u8] {
+    let ihl = usize::from(f[14] & 0xf) * 4;
+    let tot = usize::from(u16::from_be_bytes([f[16], f[17]]));
+    &f[14 + ihl + 8..14 + tot]
+}
+
 fn readdress(frame: &[u8], rank: u16) -> Vec<u8> {
     let mut f = frame.to_vec();
     f[0..6].copy_from_slice(&mac_of(rank));
@@ -2300,6 +2307,23 @@ fn tc_fixtures() -> Vec<TcFixture> {
         t.push(f);
     }
     {
+        // The miss's answer is the datagram only, not the contribution's
+        // bytes behind it.
+        let vals: Vec<i64> = (0..350).collect();
+        let c = Contrib::new(3, 6, SUM, I32, &[1, 2, 3], &vals).allreduce();
+        let datagram = c.answer_datagram(T_AGG_RESULT, false, mask_of(&[1, 2, 3]), encode(I32, &vals));
+        let mut input = datagram.clone();
+        input.extend_from_slice(&[0xee; 700]);
+        let mut f =
+            fan("RESULT with 700 bytes behind it, rank 1 unresolved: miss carries the cut datagram", datagram, &[2, 3]);
+        f.input = input;
+        f.members = vec![(1, false), (2, true), (3, true)];
+        f.stats.trimmed = 1;
+        f.stats.fanout_missed = 1;
+        f.misses = vec![(1, MissReason::Unresolved)];
+        t.push(f);
+    }
+    {
         // Nobody to serve: the original is dropped, every rank reported.
         let input = result_of(&[1, 2], T_AGG_ACK, vec![], F_FANOUT);
         t.push(TcFixture {
@@ -2351,7 +2375,7 @@ struct TcObserved {
     mark: u32,
     captured: Vec<Vec<u8>>,
     stats: AggStats,
-    misses: Vec<MissEvent>,
+    misses: Vec<AggMiss>,
 }
 
 fn observe_tc(members: Vec<(u16, bool)>, input: Vec<u8>) -> kccl::Result<TcObserved> {
@@ -2409,9 +2433,23 @@ fn run_tc_fixture(n: usize, fx: &TcFixture) -> Result<(), Vec<String>> {
         errs.push(format!("counter deltas {:?} (want {:?})", o.stats, fx.stats));
     }
     let want_misses: Vec<(u16, MissReason)> = fx.misses.clone();
-    let got_misses: Vec<(u16, MissReason)> = o.misses.iter().map(|m| (m.rank, m.reason)).collect();
+    let got_misses: Vec<(u16, MissReason)> = o.misses.iter().map(|m| (m.event.rank, m.event.reason)).collect();
     if got_misses != want_misses {
-        errs.push(format!("miss events {:?} (want {want_misses:?})", o.misses));
+        errs.push(format!("miss events {got_misses:?} (want {want_misses:?})"));
+    }
+    // Each miss carries the answer its rank should have had: the datagram
+    // the copies carry (FANOUT cleared, cut to the datagram).
+    let want_answer = udp_payload(&fx.output);
+    for m in &o.misses {
+        // msg_seq: bytes 24..28 of the kccl header (wire.rs).
+        let want_seq = u32::from_be_bytes(want_answer[24..28].try_into().expect("4 bytes"));
+        if (m.event.job_id, m.event.msg_seq) != (JOB, want_seq) {
+            errs.push(format!("miss event of job {} msg_seq {}", m.event.job_id, m.event.msg_seq));
+        }
+        let d = diff(want_answer, &m.answer);
+        if !d.is_empty() {
+            errs.push(format!("answer of the miss for rank {}: {d}", m.event.rank));
+        }
     }
     let mut unmatched: Vec<&Vec<u8>> = o.captured.iter().collect();
     let mut missing = 0;

@@ -91,6 +91,16 @@ impl Aggregator {
         Ok(())
     }
 
+    /// The kernel engine (None on the user path): its members map, slots
+    /// and counters, for tools and tests that inspect or steer it.
+    #[cfg(feature = "kernel-agg")]
+    pub fn kernel_engine_mut(&mut self) -> Option<&mut crate::kernel_agg::AggEngine> {
+        match &mut self.backend {
+            AggBackend::User(_) => None,
+            AggBackend::Kernel(k) => Some(k.engine_mut()),
+        }
+    }
+
     /// Kernel slots (index, state) held by operation `op_id` (None on the
     /// user path): what an abandoned operation left behind.
     #[cfg(feature = "kernel-agg")]
@@ -109,7 +119,7 @@ impl Aggregator {
         }
         let Aggregator { sock, rb, backend, .. } = self;
         let n = backend.user_mut().serve_batch(sock, rb, Some(wait), &mut sink)?;
-        backend.sync_aborts()?;
+        backend.sync_kernel()?;
         // Aborts it decided on (mismatches the kernel passed up) go now.
         backend.user_mut().flush(sock)?;
         Ok(n)

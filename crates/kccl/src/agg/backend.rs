@@ -42,12 +42,16 @@ impl AggBackend {
         }
     }
 
-    /// Frees in the kernel the slots of the calls whose abort the
-    /// user-space side took (UserAggregator::take_abort; it freed its own):
-    /// at once, instead of after the slot timeout.
-    pub(super) fn sync_aborts(&mut self) -> Result<()> {
+    /// What the kernel left to user space after a receive batch: the
+    /// answers its fan-out missed (queued for the caller's flush), the
+    /// calls of allreduce mismatches it passed up (aborted), and the slots
+    /// of calls whose abort the user-space side took
+    /// (UserAggregator::take_abort; it freed its own), freed at once
+    /// instead of after the slot timeout.
+    pub(super) fn sync_kernel(&mut self) -> Result<()> {
         #[cfg(feature = "kernel-agg")]
         if let AggBackend::Kernel(k) = self {
+            k.serve_misses()?;
             k.abort_kernel_mismatches();
         }
         let calls = self.user_mut().take_aborted_calls();

@@ -80,6 +80,6 @@ pub(super) fn pump(
             _ => stats.other_datagrams += 1,
         }
     }
-    backend.sync_aborts()?;
+    backend.sync_kernel()?;
     backend.user_mut().flush(sock)
 }

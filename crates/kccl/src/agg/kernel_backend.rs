@@ -19,6 +19,7 @@ use crate::agg::user::{describe_chunk, AggSink, ChunkDone, UserAggregator};
 use crate::agg::AggConfig;
 use crate::error::Result;
 use crate::group::{Group, Member};
+use crate::kernel::MissReason;
 use crate::kernel_agg::{AggEngine, AggEngineConfig, SlotState};
 use crate::netns;
 
@@ -96,8 +97,33 @@ impl KernelBackend {
         }
     }
 
+    /// Sends from user space, at once, the answers tc_agg_result could not
+    /// fan out (struct kccl_agg_miss: a failed clone, a member without a
+    /// next hop), and gives a member that had no next hop the one the
+    /// neighbour table has now, so the kernel serves its next answers.
+    /// Queued on the user-space side: the caller's flush sends them.
+    pub fn serve_misses(&mut self) -> Result<()> {
+        for m in self.engine.drain_misses() {
+            let ev = m.event;
+            if ev.job_id != self.job_id {
+                continue;
+            }
+            if ev.reason == MissReason::Unresolved {
+                if let Some(addr) = self.user.member_addr(ev.rank) {
+                    self.engine.refresh_member(ev.rank, *addr.ip(), addr.port())?;
+                }
+            }
+            self.user.relay_kernel_answer(ev.rank, &m.answer);
+        }
+        Ok(())
+    }
+
     pub fn engine(&self) -> &AggEngine {
         &self.engine
+    }
+
+    pub fn engine_mut(&mut self) -> &mut AggEngine {
+        &mut self.engine
     }
 
     /// Hands ring buffer records (completed reduce chunks) to the sink, at

@@ -8,8 +8,8 @@ use crate::skel::{types, TcBcastSkel, TcBcastSkelBuilder};
 use libbpf_rs::Link;
 
 use super::{
-    attach_tcx, load_skeleton, member_entry, no_rodata, open_skeleton, sum_percpu, write_member_entry, MissEvent,
-    MissReader,
+    attach_tcx, load_skeleton, member_entry, no_rodata, open_skeleton, parse_miss_event, sum_percpu,
+    write_member_entry, MissEvent, MissReader,
 };
 
 /// skb->mark of the copies tc_bcast makes ("kccl"); see the program header.
@@ -57,7 +57,7 @@ impl BcastFanout {
         ro.cfg_job_id = job_id;
         ro.cfg_clone_mark = CLONE_MARK;
         let skel = load_skeleton(open, WHAT)?;
-        let misses = MissReader::new(&skel.maps.miss_events, "miss_events")?;
+        let misses = MissReader::new(&skel.maps.miss_events, "miss_events", parse_miss_event)?;
         Ok(BcastFanout { skel, link: None, ifindex, misses })
     }
 

@@ -17,5 +17,5 @@ pub use bcast::{BcastFanout, BcastStats, CLONE_MARK};
 pub(crate) use load::{attach_tcx, load_skeleton, no_rodata, open_skeleton, sum_percpu, verified_insns};
 pub(crate) use members::{ifname, member_entry, read_next_hop, write_member_entry};
 pub use members::{neighbours, parse_mac};
-pub(crate) use misses::MissReader;
-pub use misses::{MissEvent, MissReason};
+pub(crate) use misses::{parse_agg_miss, parse_miss_event, MissReader};
+pub use misses::{AggMiss, MissEvent, MissReason};

@@ -162,7 +162,7 @@ pub struct UserAggregator {
     slots: Vec<Slot>,
     retired: Vec<Retired>,
     retired_idx: HashMap<(u32, u32), usize>,
-    /// Calls aborted by a member since AggBackend::sync_aborts last asked.
+    /// Calls aborted by a member since AggBackend::sync_kernel last asked.
     aborted_calls: Vec<u32>,
     /// Calls known to be aborted (first op ids: by this aggregator on a
     /// mismatch, or by a member), the latest MAX_TRACKED_OPS for `linger`,
@@ -325,7 +325,7 @@ impl UserAggregator {
             self.stats.other_job += 1;
             return false;
         }
-        if self.members.get(usize::from(h.src_rank)).copied().flatten() != Some(from) {
+        if self.member_addr(h.src_rank) != Some(from) {
             self.stats.not_member += 1;
             return false;
         }
@@ -407,7 +407,7 @@ impl UserAggregator {
             }
         }
         // The sender must send from its own address and port.
-        if self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
+        if self.member_addr(h.src_rank) != Some(from) {
             self.stats.not_member += 1;
             return;
         }
@@ -590,7 +590,7 @@ impl UserAggregator {
     /// fix): every member of it (contributors `expected` at `mask_base`, and
     /// the sender) is told at once, KCCL_T_AGG_ABORT from this aggregator,
     /// instead of waiting out its deadline; the call's slots here (and,
-    /// through AggBackend::sync_aborts, the kernel's) are freed, and the
+    /// through AggBackend::sync_kernel, the kernel's) are freed, and the
     /// abort is kept for late contributions.  Once per call.
     fn abort_call(&mut self, h: &Header, mask_base: u16, expected: u64, reason: AbortReason, text: &str) {
         let call = h.msg_seq & !3;
@@ -611,6 +611,25 @@ impl UserAggregator {
         self.free_call(call);
         self.aborted_calls.push(call);
         self.stats.aborts_sent += 1;
+    }
+
+    /// The address of `rank` in the group (None: not a member).
+    pub fn member_addr(&self, rank: u16) -> Option<SocketAddrV4> {
+        self.members.get(usize::from(rank)).copied().flatten()
+    }
+
+    /// Queues `answer`, one the kernel's fan-out could not send (struct
+    /// kccl_agg_miss), to `rank` for the next flush; counted as relayed, or
+    /// as unserved when there is nothing to send or nobody to send it to
+    /// (this aggregator's own rank is never a destination).
+    pub fn relay_kernel_answer(&mut self, rank: u16, answer: &[u8]) {
+        match self.member_addr(rank) {
+            Some(to) if !answer.is_empty() && rank != self.cfg.my_rank => {
+                self.queue(to, answer);
+                self.stats.misses_relayed += 1;
+            }
+            _ => self.stats.misses_unserved += 1,
+        }
     }
 
     /// Queues datagram `d` to `to` for the next flush.
@@ -806,7 +825,7 @@ impl UserAggregator {
     /// Queues the answer of a finished chunk for one retransmitting sender,
     /// addressed (dst_mask) to that sender only.
     fn answer_one(&mut self, idx: usize, retired: bool, rank: u16, base: usize) {
-        let Some(Some(to)) = self.members.get(rank as usize).copied() else { return };
+        let Some(to) = self.member_addr(rank) else { return };
         let (buf, len) = if retired {
             (&self.retired[idx].answer, self.retired[idx].answer_len)
         } else {
@@ -825,7 +844,7 @@ impl UserAggregator {
     /// Error::MembersMissing naming them, not with a timeout that blames
     /// the aggregator.
     fn answer_pending(&mut self, h: &Header, base: usize, missing: u64) {
-        let Some(Some(to)) = self.members.get(h.src_rank as usize).copied() else { return };
+        let Some(to) = self.member_addr(h.src_rank) else { return };
         let p = Header {
             version: VERSION,
             msg_type: T_AGG_PENDING,
@@ -853,9 +872,9 @@ impl UserAggregator {
     /// A member's abort of a call (KCCL_T_AGG_ABORT): when it came from the
     /// named member's address in this job (else counted as `not_member`),
     /// frees the call's ACTIVE slots here and queues the call for the
-    /// kernel's (AggBackend::sync_aborts).
+    /// kernel's (AggBackend::sync_kernel).
     pub fn take_abort(&mut self, h: &Header, payload: &[u8], from: SocketAddrV4) {
-        if h.job_id != self.cfg.job_id || self.members.get(h.src_rank as usize).copied().flatten() != Some(from) {
+        if h.job_id != self.cfg.job_id || self.member_addr(h.src_rank) != Some(from) {
             self.stats.not_member += 1;
             return;
         }
@@ -1133,6 +1152,24 @@ mod tests {
         assert_eq!(out.done.len(), 1);
         assert!(out.done[0].3, "int64 overflow must be flagged");
         assert_eq!(out.done[0].2[1], 3);
+    }
+
+    #[test]
+    fn kernel_answers_are_relayed_to_members_only() {
+        let mut a = agg(8);
+        let mut h = contrib(3, 4, 0, &[1, 2, 3, 4], 4, OP_SUM, true).h;
+        h.msg_type = T_AGG_RESULT;
+        h.src_rank = 0;
+        let mut d = h.to_bytes().to_vec();
+        d.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4]);
+        a.relay_kernel_answer(3, &d);
+        a.relay_kernel_answer(0, &d); // the aggregator itself
+        a.relay_kernel_answer(9, &d); // not in the group
+        a.relay_kernel_answer(2, &[]); // the kernel could not copy it
+        let sent = answers(&mut a);
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1.msg_type, i32s(&sent[0].2)), (3, T_AGG_RESULT, vec![1, 2, 3, 4]));
+        assert_eq!((a.stats().misses_relayed, a.stats().misses_unserved), (1, 3));
     }
 
     #[test]

@@ -78,6 +78,13 @@ pub struct AggStats {
     pub receipts: u64,
     /// KCCL_T_AGG_SYNC requests answered.
     pub syncs: u64,
+    /// Kernel path: answers tc_agg_result could not fan out (a failed
+    /// clone, a member without a next hop), sent from here instead.
+    pub misses_relayed: u64,
+    /// Kernel path: such misses without an answer to send (the kernel
+    /// could not copy it, or the rank is not a member): left to the
+    /// contributor's retransmission.
+    pub misses_unserved: u64,
 }
 
 impl AggStats {

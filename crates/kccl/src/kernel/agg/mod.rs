@@ -39,8 +39,8 @@ use libbpf_rs::Link;
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::kernel::{
-    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, read_next_hop, sum_percpu,
-    verified_insns, write_member_entry, MissEvent, MissReader, CLONE_MARK,
+    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, parse_agg_miss,
+    read_next_hop, sum_percpu, verified_insns, write_member_entry, AggMiss, MissReader, CLONE_MARK,
 };
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
 use crate::skel_agg_result::{TcAggResultSkel, TcAggResultSkelBuilder};
@@ -56,7 +56,7 @@ pub struct AggEngine {
     unresolved: Vec<u16>,
     cfg: AggEngineConfig,
     records: RecordRing,
-    misses: MissReader,
+    misses: MissReader<AggMiss>,
     xdp: XdpAggSkel<'static>,
     result: TcAggResultSkel<'static>,
 }
@@ -97,7 +97,7 @@ impl AggEngine {
 
         let records = RecordRing::new(&xdp.maps.agg_records)?;
 
-        let misses = MissReader::new(&result.maps.agg_miss_events, "agg_miss_events")?;
+        let misses = MissReader::new(&result.maps.agg_miss_events, "agg_miss_events", parse_agg_miss)?;
 
         Ok(AggEngine {
             xdp_link: None,
@@ -231,6 +231,22 @@ impl AggEngine {
         read_next_hop(&self.xdp.maps.members, rank)
     }
 
+    /// Gives `rank` (at `ip`:`port`) the next hop the kernel's neighbour
+    /// table has for it now, if members[rank] has none yet (xdp_agg may
+    /// have learned one meanwhile: that one is newer).  Returns whether the
+    /// rank has a next hop afterwards.
+    pub fn refresh_member(&mut self, rank: u16, ip: Ipv4Addr, port: u16) -> Result<bool> {
+        if self.next_hop(rank)?.is_some() {
+            return Ok(true);
+        }
+        let Some(mac) = self.iface.as_deref().and_then(|i| neighbours(i).get(&ip).copied()) else {
+            return Ok(false);
+        };
+        self.set_member(rank, ip, port, Some(mac))?;
+        self.unresolved.retain(|&r| r != rank);
+        Ok(true)
+    }
+
     /// Ranks the last [`AggEngine::sync_members`] found no neighbour entry for.
     pub fn unresolved_members(&self) -> &[u16] {
         &self.unresolved
@@ -271,8 +287,9 @@ impl AggEngine {
         self.records.consume(max, f)
     }
 
-    /// Destinations tc_agg_result could not serve since the last call.
-    pub fn drain_misses(&self) -> Vec<MissEvent> {
+    /// Destinations tc_agg_result could not serve since the last call, each
+    /// with the answer to send it.
+    pub fn drain_misses(&self) -> Vec<AggMiss> {
         self.misses.drain()
     }
 
@@ -392,6 +409,11 @@ mod tests {
             .collect();
         assert_eq!(names, AggStats::NAMES);
         assert_eq!(size_of::<crate::skel_agg::types::kccl_agg_acks>(), 8 * MAX_MEMBERS);
+        // struct kccl_agg_miss: the miss event, the answer's length, the
+        // answer (room for the largest: header + the largest chunk).
+        type M = crate::skel_agg_result::types::kccl_agg_miss;
+        assert_eq!((offset_of!(M, ev), offset_of!(M, dgram_len), offset_of!(M, dgram)), (0, 16, 24));
+        assert_eq!(size_of::<M>(), 24 + crate::wire::HDR_LEN + MAX_CHUNK_BYTES as usize);
     }
 
     #[test]
