@@ -52,7 +52,9 @@
  *  - Packets the kernel does not aggregate pass untouched: not kccl or not
  *    our port (PASSED), another job (OTHER_JOB), KCCL_F_USER_ONLY (USER_ONLY),
  *    an unknown op/type (UNSUPPORTED), and RESULT/ACK/BCAST types (PASSED):
- *    the user-space aggregator's socket gets them.
+ *    the user-space aggregator's socket gets them; so does a contribution
+ *    of a call aborted recently (agg_aborted, ABORTED_CALL), which the
+ *    runtime answers with the abort.
  *  - A contributor does not mix reduce and allreduce contributions for one
  *    chunk: the slot does not record the ALLREDUCE flag (the layout of
  *    kccl_agg.h has no field for it), the completing packet's flag decides.
@@ -191,6 +193,17 @@ struct {
 	__type(value, struct kccl_agg_acks);
 } agg_acks SEC(".maps");
 
+/* The calls aborted most recently (struct kccl_agg_aborted, written by
+ * kccl_agg_sweep). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct kccl_agg_aborted);
+} agg_aborted SEC(".maps");
+
+_Static_assert((KCCL_AGG_ABORTED_MAX & (KCCL_AGG_ABORTED_MAX - 1)) == 0, "ring index is a mask");
+
 /* Completed wire bytes per operation, for the wake-up policy. */
 struct kccl_agg_op_key {
 	__u32 job_id;
@@ -222,6 +235,18 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
  * entry during a change may address one copy to a torn MAC, which the
  * contributor's retransmission repairs.
  */
+/* Whether the call of op id `op_id` is one of the recently aborted ones. */
+static __always_inline bool call_aborted(const struct kccl_agg_aborted *ab, __u32 op_id)
+{
+	__u64 v = KCCL_AGG_ABORTED_VALID | (op_id & ~3U);
+	int i;
+
+	for (i = 0; i < KCCL_AGG_ABORTED_MAX; i++)
+		if (ab->calls[i] == v)
+			return true;
+	return false;
+}
+
 static __always_inline void learn_next_hop(struct kccl_member *m, const struct ethhdr *eth)
 {
 	bool same = true;
@@ -507,6 +532,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	struct kccl_hdr *h;
 	struct kccl_member *m;
 	struct kccl_agg_slot *s;
+	struct kccl_agg_aborted *ab;
 	struct agg_scratch *sc;
 	struct contrib c;
 	__u32 ihl_len, udp_len, tot_len, esize, chunk, idx, base, src, act, r, zero = 0, pay_off;
@@ -607,6 +633,11 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	learn_next_hop(m, eth);
 
 	c.op_id = bpf_ntohl(h->msg_seq);
+	ab = bpf_map_lookup_elem(&agg_aborted, &zero);
+	if (ab && ab->next && call_aborted(ab, c.op_id)) {
+		stat_add(KCCL_AS_ABORTED_CALL, 1);
+		return XDP_PASS;
+	}
 	c.allreduce = flags & KCCL_F_ALLREDUCE;
 	chunk = c.frag / cfg_chunk_bytes;
 	if (ack_proves(src, c.op_id, chunk)) {
@@ -740,10 +771,11 @@ pass:
  * loses its slot is only delayed: its contributors have no answer and
  * retransmit into a fresh slot, each counted once), and with a request
  * (struct kccl_agg_sweep_req at the start of the data, KCCL_SWEEP_CALL) the
- * ACTIVE slots of one aborted call at once.  Not attached: the runtime runs
- * it with BPF_PROG_TEST_RUN (AggEngine::sweep, AggEngine::free_call), one
- * pass over the slots, each under its lock.  Counted in KCCL_AS_SWEPT and
- * KCCL_AS_ABORT_FREED.
+ * ACTIVE slots of one aborted call at once, recording the call in
+ * agg_aborted (xdp_agg passes its late contributions up).  Not attached:
+ * the runtime runs it with BPF_PROG_TEST_RUN (AggEngine::sweep,
+ * AggEngine::free_call), one pass over the slots, each under its lock.
+ * Counted in KCCL_AS_SWEPT and KCCL_AS_ABORT_FREED.
  */
 struct sweep_ctx {
 	__u64 now;
@@ -786,10 +818,19 @@ int kccl_agg_sweep(struct xdp_md *ctx)
 	void *end = (void *)(long)ctx->data_end;
 	struct kccl_agg_sweep_req *req = data;
 	struct sweep_ctx x = { .now = bpf_ktime_get_ns() };
+	struct kccl_agg_aborted *ab;
+	__u32 zero = 0;
 
 	if ((void *)(req + 1) <= end && (req->flags & KCCL_SWEEP_CALL)) {
 		x.call = 1;
 		x.call_op = req->call_op & ~3U;
+		/* Recorded before its slots are freed: from here on its late
+		 * contributions go to user space, none claims a fresh slot. */
+		ab = bpf_map_lookup_elem(&agg_aborted, &zero);
+		if (ab && !call_aborted(ab, x.call_op)) {
+			ab->calls[ab->next & (KCCL_AGG_ABORTED_MAX - 1)] = KCCL_AGG_ABORTED_VALID | x.call_op;
+			ab->next++;
+		}
 	}
 	bpf_loop(cfg_nslots, sweep_one, &x, 0);
 	return XDP_DROP;

@@ -112,6 +112,24 @@ struct kccl_agg_sweep_req {
 
 _Static_assert(sizeof(struct kccl_agg_sweep_req) == 8, "sweep request layout");
 
+/* The calls of the job aborted most recently (agg_aborted, one entry):
+ * kccl_agg_sweep with KCCL_SWEEP_CALL records the call in calls[next %
+ * KCCL_AGG_ABORTED_MAX] (KCCL_AGG_ABORTED_VALID | call_op) before it frees
+ * its slots, and xdp_agg passes a later contribution of such a call up
+ * untouched (KCCL_AS_ABORTED_CALL): a member that contributes late gets the
+ * call's abort from user space (UserAggregator::resend_abort) instead of
+ * claiming a slot that can never complete.  Only the runtime writes it
+ * (one writer); xdp_agg reads whole aligned 8-byte words. */
+#define KCCL_AGG_ABORTED_MAX	8
+#define KCCL_AGG_ABORTED_VALID	(1ULL << 32)
+
+struct kccl_agg_aborted {
+	__u64 next;
+	__u64 calls[KCCL_AGG_ABORTED_MAX];
+};
+
+_Static_assert(sizeof(struct kccl_agg_aborted) == 8 + 8 * KCCL_AGG_ABORTED_MAX, "aborted calls layout");
+
 /* One sub-block's accumulators (agg_acc).  `gen` is the slot generation they
  * belong to: the first contribution of a newer generation resets `count` and
  * STORES its values (no initialisation pass at the claim); one of an older
@@ -174,6 +192,7 @@ enum kccl_agg_stat {
 	KCCL_AS_ACKS_LATER,	/* reduce chunks recorded without an ACK (KCCL_F_ACK_LATER) */
 	KCCL_AS_NEXT_HOP_LEARNED, /* members[rank].mac set from a packet's source MAC */
 	KCCL_AS_ABORT_FREED,	/* ACTIVE slots of an aborted call freed (kccl_agg_sweep) */
+	KCCL_AS_ABORTED_CALL,	/* contribution of a recently aborted call: passed */
 	KCCL_AS_NR,
 };
 

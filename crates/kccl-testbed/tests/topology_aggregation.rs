@@ -882,6 +882,16 @@ fn b_kernel_aggregator_only_22m_float32() {
 /// (ignored and counted); int32 overflow (exact int64 redo: i32 SUM is an
 /// error naming the element, f32 with a fixed scale is redone exactly);
 /// and the members recover for the next call after each failure.
+/// The reduce after a failed one works: root `root` gets `want`, the
+/// others Ok(None).
+fn check_next_reduce(rank: u16, root: u16, got: Result<Option<Vec<i32>>, Error>, want: &[i32], bad: &mut Vec<String>) {
+    match got {
+        Ok(Some(v)) if rank == root && v == want => {}
+        Ok(None) if rank != root => {}
+        other => bad.push(format!("rank {rank} (root {root}): the next reduce after the failure: {other:?}")),
+    }
+}
+
 fn bad_input(test: &str, paths: Paths) {
     if !root_or_skip(test, "network namespaces and BPF") {
         return;
@@ -963,14 +973,80 @@ fn bad_input(test: &str, paths: Paths) {
             (_, other) => bad.push(format!("rank {rank}: expected a timeout, got {other:?}")),
         }
         let want: Vec<i32> = (0..500).map(|i| i * 6).collect(); // ranks 0+1+2+3
-        match (rank, second) {
-            (3, Ok(Some(v))) if v == want => {}
-            (3, other) => bad.push(format!("root: the next reduce after the failure: {other:?}")),
-            (_, Ok(None)) => {}
-            (_, other) => bad.push(format!("rank {rank}: the next reduce after the failure: {other:?}")),
-        }
+        check_next_reduce(rank, 3, second, &want, &mut bad);
     }
     assert_clean(&format!("{test}: mismatched reduce lengths"), bad);
+
+    // 1b. The root aborts a reduce (NaN in its own input) before rank 2 has
+    //     even opened its socket, so rank 2 misses the abort datagram: its
+    //     contribution, sent late, is answered with the abort by the root's
+    //     aggregator side (the kernel passes contributions of the aborted
+    //     call up instead of aggregating them), well before its deadline.
+    //     Then every rank's next reduce works.
+    let (started, root_failed) = (Arc::new(Barrier::new(3)), Arc::new(Barrier::new(2)));
+    let late_done = Arc::new(AtomicBool::new(false));
+    let sync = Arc::new(Barrier::new(4));
+    let handles: Vec<_> = (0..=3u16)
+        .map(|rank| {
+            let (g, c, sync) = (rg.clone(), short.clone(), Arc::clone(&sync));
+            let (started, root_failed) = (Arc::clone(&started), Arc::clone(&root_failed));
+            let late_done = Arc::clone(&late_done);
+            on_host(topo.ns(rank), move || {
+                let choice = if rank == 3 { paths.aggregating() } else { paths.contributor() };
+                if rank == 2 {
+                    root_failed.wait();
+                }
+                let mut col = Collective::new(&g, rank, choice, c).expect("collective");
+                if rank != 2 {
+                    // Loading the kernel path takes a while: time the call
+                    // from when the root can announce.
+                    started.wait();
+                }
+                let mut data: Vec<f32> = (0..3000).map(|i| i as f32).collect();
+                if rank == 3 {
+                    data[2500] = f32::NAN;
+                }
+                let t0 = Instant::now();
+                let first = col.reduce(&data, AggOp::Sum, 3).map(|_| ());
+                let took = t0.elapsed();
+                match rank {
+                    3 => {
+                        root_failed.wait();
+                        let until = Instant::now() + Duration::from_secs(4);
+                        while !late_done.load(Ordering::Relaxed) && Instant::now() < until {
+                            let _ = col.serve_for(Duration::from_millis(20));
+                        }
+                    }
+                    2 => late_done.store(true, Ordering::Relaxed),
+                    _ => {}
+                }
+                sync.wait();
+                let data: Vec<i32> = (0..700).map(|i| i - i32::from(rank)).collect();
+                let second = col.reduce(&data, AggOp::Sum, 3);
+                if rank == 3 {
+                    let _ = col.serve_for(Duration::from_millis(200));
+                }
+                (rank, first, took, second)
+            })
+        })
+        .collect();
+    let mut bad = Vec::new();
+    for h in handles {
+        let (rank, first, took, second) = h.join().expect("member thread");
+        match (rank, &first) {
+            (3, Err(Error::NonFinite { index: 2500 })) => {}
+            (3, other) => bad.push(format!("root: expected NonFinite at element 2500, got {other:?}")),
+            (_, Err(Error::Aborted { rank: 3, reason: AbortReason::NonFinite, .. })) => {
+                if took > short.deadline / 2 {
+                    bad.push(format!("rank {rank}: the root's abort came after {took:?}, not within a round trip"));
+                }
+            }
+            (_, other) => bad.push(format!("rank {rank}: expected the root's NonFinite abort, got {other:?}")),
+        }
+        let want: Vec<i32> = (0..700).map(|i| 4 * i - 6).collect(); // ranks 0+1+2+3
+        check_next_reduce(rank, 3, second, &want, &mut bad);
+    }
+    assert_clean(&format!("{test}: a late contributor of a reduce its root aborted"), bad);
 
     // 2. Allreduce through rank 3 with: mismatched lengths, NaN on rank 1,
     //    packets of an outsider (host 4) claiming rank 0, an i32 SUM that

@@ -105,6 +105,10 @@ pub const DT_F32Q: u8 = 3;
 /// kccl_agg_sweep_req.flags: the sweep also frees one aborted call's slots
 /// (KCCL_SWEEP_CALL).
 pub const SWEEP_CALL: u32 = 1;
+/// Aborted calls the kernel remembers (KCCL_AGG_ABORTED_MAX, agg_aborted):
+/// their late contributions go to user space until this many more calls
+/// were aborted.
+pub const AGG_ABORTED_MAX: usize = 8;
 /// Bytes of a chunk the kernel combines under one lock (KCCL_AGG_SUB_BYTES).
 pub const AGG_SUB_BYTES: usize = 3432;
 /// Sub-blocks of the largest chunk (KCCL_AGG_MAX_SUBS).
@@ -499,6 +503,7 @@ mod tests {
         assert_eq!(c_value(agg, "KCCL_AGG_SUB_BYTES"), AGG_SUB_BYTES as i64);
         assert_eq!(c_value(agg, "KCCL_AGG_MAX_SUBS"), AGG_MAX_SUBS as i64);
         assert_eq!(c_value(agg, "KCCL_SWEEP_CALL"), SWEEP_CALL as i64);
+        assert_eq!(c_value(agg, "KCCL_AGG_ABORTED_MAX"), AGG_ABORTED_MAX as i64);
         assert_eq!(AGG_MAX_PAYLOAD, 65208);
         assert_eq!(AGG_MAX_PAYLOAD % 8, 0, "chunks must hold whole int64 elements");
         // Golden values too, so a change to both sides is still noticed.

@@ -44,9 +44,9 @@ use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats, SlotState};
 use kccl::netns;
 use kccl::skel::types::__sk_buff;
 use kccl::wire::{
-    Header, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG,
-    T_AGG_ABORT, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK,
-    T_BCAST, VERSION,
+    Header, AGG_ABORTED_MAX, F_ACK_LATER, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY,
+    HDR_LEN, T_AGG, T_AGG_ABORT, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC,
+    T_AGG_SYNC_ACK, T_BCAST, VERSION,
 };
 
 mod support;
@@ -685,16 +685,58 @@ fn fixtures() -> Vec<Fixture> {
         let op_b = ids.alloc(d, &[0]);
         let a = Contrib::new(1, op_a, SUM, I32, &ranks, &[1, 2]);
         let b = Contrib::new(1, op_b, SUM, I32, &ranks, &[1, 2]);
-        let mut f = Fixture::new("free_call of an aborted call: its ACTIVE slot FREE, another call's kept", d);
+        let mut f = Fixture::new(
+            "free_call of an aborted call: its ACTIVE slot FREE, another call's kept; its late contributions passed",
+            d,
+        );
         f.drop(&a).drop(&b);
         f.steps.push(Step::FreeCall(op_a + 1));
+        // Late contributions of the aborted call (any of its ops) go to user
+        // space untouched, which answers them with the abort; none claims
+        // a slot.  The other call still aggregates.
+        f.untouched(Contrib::new(2, op_a, SUM, I32, &ranks, &[3, 4]).build());
+        f.untouched(Contrib::new(3, op_a + 2, SUM, I32, &ranks, &[5, 6]).build());
+        f.drop(&Contrib::new(2, op_b, SUM, I32, &ranks, &[3, 4]));
         f.stats = stats(|s| {
-            s.pkts = 2;
+            s.pkts = 3;
             s.abort_freed = 1;
+            s.aborted_call = 2;
         });
         // (Freeing changes the state only, as the sweep does: the bitmap
         // is reset by the next claim.)
-        f.slots = vec![(op_a, 0, SlotState::Free, 1 << 1), (op_b, 0, SlotState::Active, 1 << 1)];
+        f.slots = vec![(op_a, 0, SlotState::Free, 1 << 1), (op_b, 0, SlotState::Active, 1 << 1 | 1 << 2)];
+        t.push(f);
+    }
+    {
+        // agg_aborted keeps the AGG_ABORTED_MAX most recent calls: after
+        // that many more aborts the oldest call aggregates again (a new
+        // call of a restarted job may reuse its op ids).
+        let calls: Vec<u32> = (0..=AGG_ABORTED_MAX)
+            .map(|_| {
+                let op = loop {
+                    let op = ids.alloc(d, &[0]);
+                    if op % 4 == 0 {
+                        break op;
+                    }
+                };
+                ids.next = op + 4;
+                op
+            })
+            .collect();
+        let mut f = Fixture::new("agg_aborted: the oldest of AGG_ABORTED_MAX + 1 aborted calls is forgotten", d);
+        for &c in &calls {
+            f.steps.push(Step::FreeCall(c));
+        }
+        let first = Contrib::new(1, calls[0], SUM, I32, &ranks, &[1, 2]);
+        f.drop(&first);
+        for &c in &calls[1..] {
+            f.untouched(Contrib::new(1, c + 3, SUM, I32, &ranks, &[1, 2]).build());
+        }
+        f.stats = stats(|s| {
+            s.pkts = 1;
+            s.aborted_call = AGG_ABORTED_MAX as u64;
+        });
+        f.slots = vec![(calls[0], 0, SlotState::Active, 1 << 1)];
         t.push(f);
     }
     {

@@ -97,20 +97,14 @@ impl Peers {
         }
     }
 
-    /// Sends the abort of this call, from `me`, to every peer (one datagram
-    /// each, one sendmmsg).
-    pub fn send(
-        &self,
-        sock: &BatchSocket,
-        me: u16,
-        base: u16,
-        mask: u64,
-        reason: AbortReason,
-        detail: &str,
-    ) -> Result<()> {
-        let d = datagram(self.job_id, me, base, mask, self.call_op, reason, detail);
-        let dgrams: Vec<Datagram<'_>> =
-            self.ranks.iter().map(|&(_, to)| Datagram { to, head: &d, body: &[] }).collect();
+    /// The abort of this call from `me` (see [`datagram`]).
+    pub fn abort_datagram(&self, me: u16, base: u16, mask: u64, reason: AbortReason, detail: &str) -> Vec<u8> {
+        datagram(self.job_id, me, base, mask, self.call_op, reason, detail)
+    }
+
+    /// Sends abort datagram `d` to every peer (one sendmmsg).
+    pub fn send(&self, sock: &BatchSocket, d: &[u8]) -> Result<()> {
+        let dgrams: Vec<Datagram<'_>> = self.ranks.iter().map(|&(_, to)| Datagram { to, head: d, body: &[] }).collect();
         sock.send_all(&dgrams).map(|_| ())
     }
 }

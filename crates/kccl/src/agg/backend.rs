@@ -66,6 +66,12 @@ impl AggBackend {
         Ok(())
     }
 
+    /// Keeps `d`, this member's own abort of the call of `op_id` (a reduce
+    /// root's), to answer that call's late contributions with it.
+    pub(super) fn keep_abort(&mut self, op_id: u32, d: Vec<u8>) {
+        self.user_mut().remember_abort(op_id & !3, d);
+    }
+
     /// Frees the ACTIVE slots of the call of op id `op_id` (any op of it),
     /// in user space and in the kernel: the call was aborted.
     pub(super) fn free_call(&mut self, op_id: u32) -> Result<()> {

@@ -283,7 +283,8 @@ impl Collective {
     fn announce(&mut self, call: u32, set: Contributors, agg: u16, e: Error) -> Error {
         if let Some(reason) = abort::reason_of(&e) {
             let peers = abort::Peers::of(&self.group, call * 4, set.base, set.mask, agg, self.me.rank);
-            if peers.send(&self.sock, self.me.rank, set.base, set.mask, reason, &e.to_string()).is_ok() {
+            let d = peers.abort_datagram(self.me.rank, set.base, set.mask, reason, &e.to_string());
+            if peers.send(&self.sock, &d).is_ok() {
                 self.stats.aborts_sent += 1;
             }
             // This member's own aggregator slots of the call (a reduce
@@ -291,6 +292,11 @@ impl Collective {
             // abort: if it fails, the sweep frees them after the slot
             // timeout; the error reported is the call's.
             let _ = self.backend.free_call(call * 4);
+            // A reduce root also answers the call's late contributions
+            // (a contributor that missed this datagram) with it.
+            if agg == self.me.rank {
+                self.backend.keep_abort(call * 4, d);
+            }
         }
         e
     }

@@ -652,8 +652,9 @@ impl UserAggregator {
         true
     }
 
-    /// Keeps `d`, the abort of `call`, for late contributions of it.
-    fn remember_abort(&mut self, call: u32, d: Vec<u8>) {
+    /// Keeps `d`, the abort of `call` (its first op id), for late
+    /// contributions of it.
+    pub fn remember_abort(&mut self, call: u32, d: Vec<u8>) {
         if self.aborted.insert(call, d).is_none() {
             self.aborted_order.push_back((call, Instant::now()));
         }

@@ -93,4 +93,7 @@ agg_stats! {
     next_hop_learned,
     /// ACTIVE slots of an aborted call freed at once (AggEngine::free_call).
     abort_freed,
+    /// Contributions of a call aborted recently (agg_aborted): passed up
+    /// untouched, answered with the abort from user space.
+    aborted_call,
 }
