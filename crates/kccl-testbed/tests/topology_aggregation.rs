@@ -982,7 +982,8 @@ fn bad_input(test: &str, paths: Paths) {
     //     contribution, sent late, is answered with the abort by the root's
     //     aggregator side (the kernel passes contributions of the aborted
     //     call up instead of aggregating them), well before its deadline.
-    //     Then every rank's next reduce works.
+    //     Then an int64 reduce overflows at the root, and every rank's
+    //     next reduce works.
     let (started, root_failed) = (Arc::new(Barrier::new(3)), Arc::new(Barrier::new(2)));
     let late_done = Arc::new(AtomicBool::new(false));
     let sync = Arc::new(Barrier::new(4));
@@ -1021,18 +1022,29 @@ fn bad_input(test: &str, paths: Paths) {
                     _ => {}
                 }
                 sync.wait();
+                // An int64 sum that overflows at the root: the contributors'
+                // part is done (acknowledged) before the root decodes the
+                // result, so only the root fails, naming the element.
+                let big: Vec<i64> = (0..5000).map(|i| if i == 4321 { i64::MAX / 3 } else { i }).collect();
+                let t1 = Instant::now();
+                let ovf = col.reduce(&big, AggOp::Sum, 3).map(|_| ());
+                let ovf_took = t1.elapsed();
+                if rank == 3 {
+                    let _ = col.serve_for(Duration::from_millis(300));
+                }
+                sync.wait();
                 let data: Vec<i32> = (0..700).map(|i| i - i32::from(rank)).collect();
                 let second = col.reduce(&data, AggOp::Sum, 3);
                 if rank == 3 {
                     let _ = col.serve_for(Duration::from_millis(200));
                 }
-                (rank, first, took, second)
+                (rank, first, took, (ovf, ovf_took), second)
             })
         })
         .collect();
     let mut bad = Vec::new();
     for h in handles {
-        let (rank, first, took, second) = h.join().expect("member thread");
+        let (rank, first, took, (ovf, ovf_took), second) = h.join().expect("member thread");
         match (rank, &first) {
             (3, Err(Error::NonFinite { index: 2500 })) => {}
             (3, other) => bad.push(format!("root: expected NonFinite at element 2500, got {other:?}")),
@@ -1042,6 +1054,12 @@ fn bad_input(test: &str, paths: Paths) {
                 }
             }
             (_, other) => bad.push(format!("rank {rank}: expected the root's NonFinite abort, got {other:?}")),
+        }
+        match (rank, &ovf) {
+            (3, Err(Error::Overflow { detail, .. })) if detail.contains("element 4321") => {}
+            (3, other) => bad.push(format!("root: expected an overflow naming element 4321, got {other:?}")),
+            (_, Ok(())) if ovf_took < short.deadline / 2 => {}
+            (_, other) => bad.push(format!("rank {rank}: overflowing reduce: {other:?} after {ovf_took:?}")),
         }
         let want: Vec<i32> = (0..700).map(|i| 4 * i - 6).collect(); // ranks 0+1+2+3
         check_next_reduce(rank, 3, second, &want, &mut bad);
