@@ -89,6 +89,11 @@ pub struct Recovery {
     /// Sender passes in which a chunk timed out.
     pub stalls: f64,
     pub window_cuts: f64,
+    /// The senders' congestion windows (chunks) after the last timed
+    /// operation, averaged over the ranks that sent: a window far below
+    /// AggConfig::window_chunks means recovery, not the aggregator, set
+    /// the pace.
+    pub window_end: f64,
     /// xdp_agg: results the ring buffer had no room for.
     pub ring_full: f64,
     /// xdp_agg: contributions that found their slot held by another chunk.
@@ -121,6 +126,9 @@ impl Recovery {
     fn from_snapshots(snaps: &[(Counters, Counters)], iters: usize) -> Recovery {
         let n = iters.max(1) as f64;
         let mut r = Recovery::default();
+        // Ranks that sent (the root of a reduce has no window).
+        let windows: Vec<f64> = snaps.iter().map(|(_, a)| a.contrib.window_last as f64).filter(|&w| w > 0.0).collect();
+        r.window_end = windows.iter().sum::<f64>() / windows.len().max(1) as f64;
         for (b, a) in snaps {
             let (cb, ca) = (&b.contrib, &a.contrib);
             r.datagrams += (ca.datagrams - cb.datagrams) as f64 / n;
@@ -747,12 +755,13 @@ pub fn print_agg_row(r: &AggRecord) {
 /// Prints a row's loss-recovery counters (per timed operation).
 pub fn print_recovery_row(v: &Recovery) {
     crate::outln!(
-        "            per op: datagrams={:.0} retransmits={:.1} (fast {:.1}) stalls={:.1} window cuts={:.1} | root ring_full={:.1} busy={:.1} held={:.1} dup={:.1}",
+        "            per op: datagrams={:.0} retransmits={:.1} (fast {:.1}) stalls={:.1} window cuts={:.1} end={:.0} | root ring_full={:.1} busy={:.1} held={:.1} dup={:.1}",
         v.datagrams,
         v.retransmits,
         v.fast_retransmits,
         v.stalls,
         v.window_cuts,
+        v.window_end,
         v.ring_full,
         v.busy,
         v.held,
@@ -843,13 +852,23 @@ mod tests {
     #[test]
     fn recovery_sums_ranks_per_operation() {
         let snap = |datagrams, retransmits, ring_full: Option<u64>| Counters {
-            contrib: kccl::agg::member::ContribStats { datagrams, retransmits, ..Default::default() },
+            contrib: kccl::agg::member::ContribStats {
+                datagrams,
+                retransmits,
+                window_last: if ring_full.is_none() { datagrams / 2 } else { 0 },
+                ..Default::default()
+            },
             kernel: ring_full.map(|ring_full| kccl::kernel_agg::AggStats { ring_full, ..Default::default() }),
         };
         // A sender (no engine) and the root (engine counters), 4 operations.
-        let snaps = [(snap(10, 1, None), snap(50, 9, None)), (snap(0, 0, Some(3)), snap(0, 0, Some(11)))];
+        let snaps = [
+            (snap(10, 1, None), snap(50, 9, None)),
+            (snap(10, 1, None), snap(90, 9, None)),
+            (snap(0, 0, Some(3)), snap(0, 0, Some(11))),
+        ];
         let r = Recovery::from_snapshots(&snaps, 4);
-        assert_eq!((r.datagrams, r.retransmits, r.ring_full), (10.0, 2.0, 2.0));
+        assert_eq!((r.datagrams, r.retransmits, r.ring_full), (30.0, 4.0, 2.0));
+        assert_eq!(r.window_end, 35.0, "the senders' windows (25, 45) averaged; the root has none");
     }
 
     #[test]
