@@ -3,15 +3,19 @@
 //! result overflowed.
 
 use std::net::SocketAddrV4;
+use std::ops::Range;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::wire::{Header, DT_I64, HDR_LEN, T_AGG_SYNC, T_AGG_SYNC_ACK};
+use crate::wire::{Header, DT_I64, HDR_LEN, MASK_BITS, T_AGG_SYNC, T_AGG_SYNC_ACK};
 
 use super::codec::{Dst, Enc, FinEnc, Finish, OutOfRange, Src};
-use super::member::{ContribStats, Spec};
+use super::config::AllreduceMode;
+use super::member::Spec;
 use super::op::{AggOp, Element, Quant};
+use super::root::RootDone;
 use super::{check_len, chunk_list, codec, contributors, quant, Collective, Contributors};
+use crate::bcast::Path;
 
 /// How a member's aggregated chunks become output elements (allreduce).
 pub(super) fn finish_of<'a>(enc: &Enc<'a>, op: AggOp, count: usize) -> Finish<'a> {
@@ -24,9 +28,43 @@ pub(super) fn finish_of<'a>(enc: &Enc<'a>, op: AggOp, count: usize) -> Finish<'a
     Finish { agg_op: op.wire(), enc: fe, count }
 }
 
+/// One shard of an allreduce: elements `elems` of the vector, combined by
+/// rank `owner` (the group's aggregator, which has them all, or in a
+/// sharded allreduce the member that owns them).
+#[derive(Debug, Clone)]
+pub(super) struct Shard {
+    pub owner: u16,
+    pub addr: SocketAddrV4,
+    pub elems: Range<usize>,
+}
+
+/// Splits `n` elements into one run of whole chunks (`epc` elements each)
+/// per owner, as even as whole chunks allow, in the owners' order; an
+/// owner left without a chunk (fewer chunks than owners) gets no shard.
+pub(super) fn split(n: usize, epc: usize, owners: &[(u16, SocketAddrV4)]) -> Vec<Shard> {
+    let chunks = n.div_ceil(epc.max(1));
+    let k = owners.len().max(1);
+    owners
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &(owner, addr))| {
+            let (a, b) = (i * chunks / k, (i + 1) * chunks / k);
+            (a < b).then(|| Shard { owner, addr, elems: a * epc..(b * epc).min(n) })
+        })
+        .collect()
+}
+
+/// The chunks `shard` covers, as a range of chunk numbers of the vector
+/// (`epc` elements per chunk).
+fn chunk_range(shard: &Shard, epc: usize) -> Range<usize> {
+    shard.elems.start / epc..shard.elems.end.div_ceil(epc)
+}
+
 impl Collective {
-    /// allreduce: every member (all ranks but the group's aggregator) gets
-    /// `op` over every member's `data`, combined by the aggregator rank.
+    /// allreduce: every member (all ranks but the group's aggregator, if it
+    /// names one) gets `op` over every member's `data`, combined by the
+    /// aggregator rank or, sharded, by every member for its shard
+    /// (AggConfig::allreduce).
     pub fn allreduce<T: Element>(&mut self, data: &[T], op: AggOp) -> Result<Vec<T>> {
         let mut out = vec![T::default(); data.len()];
         self.allreduce_into(data, op, &mut out)?;
@@ -39,20 +77,13 @@ impl Collective {
     /// result is 16,384 of them per member, about a tenth of the machine's
     /// CPU in a 64 MiB allreduce).  On an error its contents are unspecified.
     pub fn allreduce_into<T: Element>(&mut self, data: &[T], op: AggOp, out: &mut [T]) -> Result<()> {
-        if let Some(agg) = self.group.aggregator {
+        let mode = self.allreduce_mode();
+        if let (AllreduceMode::Aggregator, Some(agg)) = (mode, self.group.aggregator) {
             self.sync_start(agg)?;
         }
         let call = self.next_call();
         let what = format!("allreduce call {call} ({} {op}, {} elements)", T::NAME, data.len());
-        let Some(agg) = self.group.aggregator else {
-            return Err(Error::Usage(format!(
-                "{what}: the group file names no allreduce aggregator; add `aggregator = <rank>` (a rank that runs \
-                 `kccl aggregator`)"
-            )));
-        };
-        let mut exclude = vec![agg];
-        exclude.extend(&self.excluded);
-        let set = contributors(&self.group, &what, &exclude)?;
+        let (set, owners) = self.allreduce_plan(&what, mode)?;
         if out.len() != data.len() {
             return Err(Error::Usage(format!(
                 "{what}: the output holds {} elements, the input {}; they must match",
@@ -64,23 +95,34 @@ impl Collective {
             return Ok(());
         }
         check_len::<T>(&what, data.len(), 0)?;
-        let agg_addr = self.addr_of(agg)?;
+        let agg = owners[0].0; // whom an abort names besides `set`
         let src = T::src(data);
+        let wire_es = if matches!(src, Src::I64(_)) { 8 } else { 4 };
+        let epc = self.chunk / wire_es;
+        let shards = split(data.len(), epc, &owners);
         let mut scales = Vec::new();
         let quant = self.cfg.quant;
         if let (Src::F32(f), AggOp::Sum | AggOp::Avg) = (src, op) {
             match quant {
                 // Agree on the per-chunk exponents first (MAX of one int32
-                // per chunk); the int32 result needs ceil(log2 n) headroom.
+                // per chunk, each at its chunk's owner); the int32 result
+                // needs ceil(log2 n) headroom.
                 Quant::Auto => {
                     let mut exps = Vec::new();
-                    let r = quant::block_exponents(f, self.chunk / 4, &mut exps);
+                    let r = quant::block_exponents(f, epc, &mut exps);
                     self.or_abort(r, call, set, agg)?;
-                    let spec = self.spec(&what, call * 4, AggOp::Max, agg, agg_addr, set, true, false);
+                    let jobs = shards
+                        .iter()
+                        .map(|s| {
+                            let r = chunk_range(s, epc);
+                            let spec = self.spec(&what, call * 4, AggOp::Max, s.owner, s.addr, set, true, false);
+                            (spec, Enc::I32(&exps[r.clone()]), r.start)
+                        })
+                        .collect();
                     let mut agreed = vec![0i32; exps.len()];
                     let fin = finish_of(&Enc::I32(&exps), AggOp::Max, set.count);
-                    let (_, ovf) = self.run_allreduce(spec, Enc::I32(&exps), fin, &mut Dst::I32(&mut agreed))?;
-                    if !ovf.is_empty() {
+                    let ovf = self.run_allreduce(jobs, fin, &mut Dst::I32(&mut agreed))?;
+                    if ovf.iter().any(|o| !o.is_empty()) {
                         return Err(self.protocol_error(&what, "the exponent pre-pass came back with OVERFLOW"));
                     }
                     let h = quant::headroom(set.count);
@@ -95,12 +137,85 @@ impl Collective {
         let enc = self.encoding(src, op, &scales, &[]);
         let enc = self.or_abort(enc, call, set, agg)?;
         let fin = finish_of(&enc, op, set.count);
-        let spec = self.spec(&what, call * 4 + 1, op, agg, agg_addr, set, true, false);
-        let (_, overflowed) = self.run_allreduce(spec, enc, fin, &mut T::dst(out))?;
-        if !overflowed.is_empty() {
-            self.redo(&what, call, op, agg, agg_addr, set, &enc, &overflowed, &mut T::dst(out))?;
+        let jobs = shards
+            .iter()
+            .map(|s| {
+                let spec = self.spec(&what, call * 4 + 1, op, s.owner, s.addr, set, true, false);
+                (spec, enc.slice(s.elems.clone()), s.elems.start)
+            })
+            .collect();
+        let overflowed = self.run_allreduce(jobs, fin, &mut T::dst(out))?;
+        if overflowed.iter().any(|o| !o.is_empty()) {
+            // Chunk numbers of the whole vector, per shard.
+            let redo: Vec<(&Shard, Vec<usize>)> = shards
+                .iter()
+                .zip(&overflowed)
+                .filter(|(_, o)| !o.is_empty())
+                .map(|(s, o)| (s, o.iter().map(|c| s.elems.start / epc + c).collect()))
+                .collect();
+            self.redo(&what, call, op, set, &enc, &redo, &mut T::dst(out))?;
+        }
+        // Sharded: this member answers its shard's retransmissions until
+        // the others confirm (settle), as a reduce root does.
+        if mode == AllreduceMode::Sharded {
+            if let Some((i, s)) = shards.iter().enumerate().find(|(_, s)| s.owner == self.me.rank) {
+                let first = s.elems.start / epc;
+                // The redo message: each overflowed chunk's elements as int64.
+                let wide: usize = overflowed[i].iter().map(|&c| epc.min(data.len() - (first + c) * epc)).sum();
+                let (op_id, nchunks) = match wide {
+                    0 => (call * 4 + 1, chunk_range(s, epc).len()),
+                    _ => (call * 4 + 2, (wide * 8).div_ceil(self.chunk)),
+                };
+                self.last_served = Some(RootDone { op_id, nchunks: nchunks as u32, base: set.base, mask: set.mask });
+            }
         }
         Ok(())
+    }
+
+    /// AggConfig::allreduce with Auto resolved: the group's aggregator if
+    /// the group file names one, else sharded.
+    pub(super) fn allreduce_mode(&self) -> AllreduceMode {
+        match self.cfg.allreduce {
+            AllreduceMode::Auto if self.group.aggregator.is_some() => AllreduceMode::Aggregator,
+            AllreduceMode::Auto => AllreduceMode::Sharded,
+            m => m,
+        }
+    }
+
+    /// An allreduce's contributors and the ranks that combine it, in the
+    /// order of their shards: the aggregator alone, or every contributor.
+    fn allreduce_plan(&self, what: &str, mode: AllreduceMode) -> Result<(Contributors, Vec<(u16, SocketAddrV4)>)> {
+        let mut exclude: Vec<u16> = self.group.aggregator.into_iter().collect();
+        exclude.extend(&self.excluded);
+        let set = contributors(&self.group, what, &exclude)?;
+        let owners = if mode == AllreduceMode::Aggregator {
+            let Some(agg) = self.group.aggregator else {
+                return Err(Error::Usage(format!(
+                    "{what}: the group file names no allreduce aggregator; add `aggregator = <rank>` (a rank that \
+                     runs `kccl aggregator`), or use the sharded allreduce (every member combines a shard)"
+                )));
+            };
+            vec![(agg, self.addr_of(agg)?)]
+        } else {
+            if self.backend.path() == Path::Kernel {
+                return Err(Error::Usage(format!(
+                    "{what}: the sharded allreduce runs on the user-space path only so far (each member's own \
+                     contribution to its shard cannot reach its XDP program yet); use the user-space path \
+                     (PathChoice::User, `--path user`), or name an aggregator in the group file"
+                )));
+            }
+            let off = self.me.rank.wrapping_sub(set.base);
+            if off >= MASK_BITS as u16 || set.mask >> off & 1 == 0 {
+                return Err(Error::Usage(format!(
+                    "{what}: rank {} is not one of the allreduce's members (it is the group's aggregator or was \
+                     excluded), so it owns no shard",
+                    self.me.rank
+                )));
+            }
+            let ranks = (0..MASK_BITS as u16).filter(|i| set.mask >> i & 1 == 1).map(|i| set.base + i);
+            ranks.map(|r| Ok((r, self.addr_of(r)?))).collect::<Result<Vec<_>>>()?
+        };
+        Ok((set, owners))
     }
 
     /// Before this member's first allreduce: asks the group's aggregator
@@ -166,26 +281,32 @@ impl Collective {
         }
     }
 
-    /// An allreduce-type operation (RESULT answers) decoded into `out`;
-    /// chunks with F_OVERFLOW are left for the redo.
+    /// Allreduce-type operations (RESULT answers), one per job (spec, the
+    /// job's message, the vector element its first element is), run at
+    /// once and decoded into `out`.  Returns each job's chunks whose RESULT
+    /// carried F_OVERFLOW (left for the redo).
     pub(super) fn run_allreduce(
         &mut self,
-        spec: Spec,
-        enc: Enc<'_>,
+        jobs: Vec<(Spec, Enc<'_>, usize)>,
         fin: Finish<'_>,
         out: &mut Dst<'_>,
-    ) -> Result<(ContribStats, Vec<usize>)> {
+    ) -> Result<Vec<Vec<usize>>> {
+        let Some((spec, enc, _)) = jobs.first() else {
+            return Ok(Vec::new());
+        };
         let what = spec.what.clone();
         let es = enc.elem_size();
         let dtype = enc.dtype();
         let chunk = self.chunk;
+        let firsts: Vec<usize> = jobs.iter().map(|j| j.2).collect();
         let mut scratch = std::mem::take(&mut self.scratch);
         let mut err: Option<OutOfRange> = None;
-        let res = self.contribute(spec, enc, &mut |c, payload, overflow| {
+        let jobs = jobs.into_iter().map(|(s, e, _)| (s, e)).collect();
+        let res = self.contribute_all(jobs, &mut |j, c, payload, overflow| {
             if overflow || err.is_some() {
                 return;
             }
-            if let Err(e) = fin.apply_wire(payload, dtype, c * chunk / es, out, &mut scratch) {
+            if let Err(e) = fin.apply_wire(payload, dtype, firsts[j] + c * chunk / es, out, &mut scratch) {
                 err = Some(e);
             }
         });
@@ -197,69 +318,83 @@ impl Collective {
                 detail: format!("element {index} is {value}, outside the output type; use a wider element type"),
             });
         }
-        Ok(r)
+        Ok(r.into_iter().map(|(_, ovf)| ovf).collect())
     }
 
     /// The exact redo of allreduce chunks whose int32 result overflowed:
     /// their int32 wire values (as sent: quantized for F32Q) are resent
     /// widened to I64, with USER_ONLY (the kernel passes them to the
     /// aggregator's user space, which sums in int64 and answers in int64),
-    /// under op id 4k + 2.  The redo message is the overflowed chunks
-    /// concatenated in chunk order; a chunk of C bytes holds C/8 int64
-    /// elements, so original chunk `overflowed[j]` is redo chunks 2j and
-    /// 2j + 1 (the last original chunk may be shorter, and is last).
+    /// under op id 4k + 2, to the owner of each chunk's shard (all at
+    /// once).  A shard's redo message is its overflowed chunks (chunk
+    /// numbers of the whole vector, ascending) concatenated; a chunk of C
+    /// bytes holds C/8 int64 elements, so overflowed chunk j of a shard is
+    /// redo chunks 2j and 2j + 1 (the vector's last chunk may be shorter,
+    /// and is last).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn redo(
         &mut self,
         what: &str,
         call: u32,
         op: AggOp,
-        agg: u16,
-        agg_addr: SocketAddrV4,
         set: Contributors,
         enc: &Enc<'_>,
-        overflowed: &[usize],
+        overflowed: &[(&Shard, Vec<usize>)],
         out: &mut Dst<'_>,
     ) -> Result<()> {
         if enc.dtype() == DT_I64 {
+            let all: Vec<usize> = overflowed.iter().flat_map(|(_, o)| o.iter().copied()).collect();
             return Err(Error::Overflow {
                 what: what.into(),
                 detail: format!(
                     "the int64 sum overflowed in chunks {} (elements from {}); the result does not fit i64",
-                    chunk_list(overflowed),
-                    overflowed[0] * self.chunk / 8
+                    chunk_list(&all),
+                    all[0] * self.chunk / 8
                 ),
             });
         }
         let epc = self.chunk / 4;
         let total = enc.elems();
-        let mut wide: Vec<i64> = Vec::with_capacity(overflowed.len() * epc);
         let mut buf = vec![0u8; self.chunk];
-        for &c in overflowed {
-            let first = c * epc;
-            let n = epc.min(total - first);
-            enc.encode(first, &mut buf[..n * 4]);
-            wide.extend(buf[..n * 4].chunks_exact(4).map(|b| i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]]))));
-        }
+        let wides: Vec<Vec<i64>> = overflowed
+            .iter()
+            .map(|(_, chunks)| {
+                let mut wide: Vec<i64> = Vec::with_capacity(chunks.len() * epc);
+                for &c in chunks {
+                    let first = c * epc;
+                    let n = epc.min(total - first);
+                    enc.encode(first, &mut buf[..n * 4]);
+                    wide.extend(
+                        buf[..n * 4].chunks_exact(4).map(|b| i64::from(i32::from_be_bytes([b[0], b[1], b[2], b[3]]))),
+                    );
+                }
+                wide
+            })
+            .collect();
         self.stats.redo_ops += 1;
         let fin = finish_of(enc, op, set.count);
         let half = self.chunk / 8;
-        let spec = self.spec(what, call * 4 + 2, op, agg, agg_addr, set, true, true);
+        let jobs = overflowed
+            .iter()
+            .zip(&wides)
+            .map(|((s, _), wide)| (self.spec(what, call * 4 + 2, op, s.owner, s.addr, set, true, true), Enc::I64(wide)))
+            .collect();
         let mut scratch = std::mem::take(&mut self.scratch);
         let mut err: Option<Error> = None;
-        let res = self.contribute(spec, Enc::I64(&wide), &mut |k, payload, overflow| {
+        let res = self.contribute_all(jobs, &mut |j, k, payload, overflow| {
             if err.is_some() {
                 return;
             }
+            let chunk = overflowed[j].1[k / 2];
             if overflow {
                 err = Some(Error::Overflow {
                     what: what.into(),
-                    detail: format!("the int64 redo of chunk {} overflowed", overflowed[k / 2]),
+                    detail: format!("the int64 redo of chunk {chunk} overflowed"),
                 });
                 return;
             }
             codec::read_wire(payload, DT_I64, &mut scratch);
-            let first = overflowed[k / 2] * epc + (k % 2) * half;
+            let first = chunk * epc + (k % 2) * half;
             if let Err(OutOfRange { index, value }) = fin.apply(&scratch, first, None, out) {
                 err = Some(Error::Overflow {
                     what: what.into(),

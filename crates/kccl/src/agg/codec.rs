@@ -109,6 +109,27 @@ impl Enc<'_> {
         self.elems() * self.elem_size()
     }
 
+    /// The message of elements `r` alone (a shard of a sharded allreduce).
+    /// For F32Q, `r.start` is a multiple of the block (shards are whole
+    /// chunks) and there is no prefix (allreduce messages have none).
+    pub fn slice(&self, r: std::ops::Range<usize>) -> Self {
+        match *self {
+            Enc::I32(d) => Enc::I32(&d[r]),
+            Enc::I64(d) => Enc::I64(&d[r]),
+            Enc::F32Ord(d) => Enc::F32Ord(&d[r]),
+            Enc::F32NonZero(d) => Enc::F32NonZero(&d[r]),
+            Enc::F32Q { data, scales, block, prefix } => {
+                debug_assert!(
+                    prefix.is_empty() && (scales.len() == 1 || r.start % block == 0),
+                    "F32Q slice {r:?} of block {block}"
+                );
+                // A fixed scale is one block as long as the whole vector.
+                let b = (r.start / block).min(scales.len().saturating_sub(1));
+                Enc::F32Q { data: &data[r], scales: &scales[b..], block, prefix }
+            }
+        }
+    }
+
     /// Writes message elements `[first, first + dst.len() / elem_size)` as
     /// big-endian wire bytes.
     pub fn encode(&self, first: usize, dst: &mut [u8]) {

@@ -39,6 +39,47 @@ pub struct AggConfig {
     /// and what changed); a kernel that refuses UDP_SEGMENT falls back to
     /// single datagrams by itself.
     pub gso: bool,
+    /// Who combines an allreduce: one aggregator rank, or every member a
+    /// shard of the vector (docs/AGGREGATION.md, "Sharded allreduce").
+    pub allreduce: AllreduceMode,
+}
+
+/// Who combines the chunks of an allreduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AllreduceMode {
+    /// The group file's `aggregator` when it names one, else sharded.
+    #[default]
+    Auto,
+    /// The group's aggregator rank (a `kccl aggregator` service) combines
+    /// every chunk; its link carries every member's data.
+    Aggregator,
+    /// Every member combines a contiguous run of chunks (its shard): each
+    /// member sends each shard to the shard's owner and gets the shard's
+    /// result back from it, so every link carries about 2(N-1)/N of the
+    /// vector each way, as a ring does.
+    Sharded,
+}
+
+impl std::str::FromStr for AllreduceMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(AllreduceMode::Auto),
+            "aggregator" => Ok(AllreduceMode::Aggregator),
+            "sharded" => Ok(AllreduceMode::Sharded),
+            _ => Err(format!("allreduce mode {s:?}: expected auto, aggregator or sharded")),
+        }
+    }
+}
+
+impl std::fmt::Display for AllreduceMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AllreduceMode::Auto => "auto",
+            AllreduceMode::Aggregator => "aggregator",
+            AllreduceMode::Sharded => "sharded",
+        })
+    }
 }
 
 impl Default for AggConfig {
@@ -52,6 +93,7 @@ impl Default for AggConfig {
             nslots: 1024,
             slot_timeout: Duration::from_secs(2),
             gso: true,
+            allreduce: AllreduceMode::Auto,
         }
     }
 }

@@ -13,11 +13,14 @@ use super::member::Contributor;
 use super::user::AggSink;
 use crate::bcast::Path;
 
-/// Where RESULT chunks go: (chunk, payload, overflow).
-pub(super) type Decode<'d> = &'d mut dyn FnMut(usize, &[u8], bool);
+/// Where RESULT chunks go: (contributor, chunk, payload, overflow); the
+/// contributor is the index into the slice of contributors pump drives.
+pub(super) type Decode<'d> = &'d mut dyn FnMut(usize, usize, &[u8], bool);
 
 /// Receives one batch (or times out) and hands every datagram to its role:
-/// contributions to the aggregator backend, answers to the contributor.
+/// contributions to the aggregator backend, answers to the contributor
+/// whose aggregator sent them (a sharded allreduce contributes to every
+/// member at once, one contributor per aggregating rank).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn pump(
     sock: &BatchSocket,
@@ -26,7 +29,7 @@ pub(super) fn pump(
     stats: &mut CollectiveStats,
     wait: Duration,
     root_waiting: bool,
-    mut contrib: Option<(&mut Contributor<'_>, Decode<'_>)>,
+    mut contrib: Option<(&mut [Contributor<'_>], Decode<'_>)>,
     sink: &mut dyn AggSink,
 ) -> Result<()> {
     let mut sock_wait = wait;
@@ -59,21 +62,27 @@ pub(super) fn pump(
             Ok((h, _)) if h.msg_type == T_AGG_RECEIPT => backend.user_mut().take_receipt(&h, from),
             Ok((h, p)) if matches!(h.msg_type, T_AGG_RESULT | T_AGG_ACK | T_AGG_ACKS | T_AGG_PENDING) => {
                 match contrib.as_mut() {
-                    Some((c, dec)) => {
-                        c.on_answer(&h, p, from, now, &mut **dec);
+                    Some((cs, dec)) if !cs.is_empty() => {
+                        // An answer from no contributor's aggregator goes to
+                        // the first, which counts it as bad.
+                        let j = cs.iter().position(|c| c.spec().agg_rank == h.src_rank).unwrap_or(0);
+                        cs[j].on_answer(&h, p, from, now, &mut |c, payload, ovf| dec(j, c, payload, ovf));
                     }
-                    None => stats.contrib.stale_answers += 1,
+                    _ => stats.contrib.stale_answers += 1,
                 }
             }
             // Another member ended the call: its contributor side or, on a
             // reduce root, the root's wait fails with the reason; an
             // aggregator frees the call's slots.
             Ok((h, p)) if h.msg_type == T_AGG_ABORT => {
+                // One contributor takes it (a still running one, so that
+                // its deadline check fails the call at once).
                 match contrib.as_mut() {
-                    Some((c, _)) => {
-                        c.on_abort(&h, p, from);
+                    Some((cs, _)) if !cs.is_empty() => {
+                        let j = cs.iter().position(|c| !c.done()).unwrap_or(0);
+                        cs[j].on_abort(&h, p, from);
                     }
-                    None => sink.abort(&h, p, from),
+                    _ => sink.abort(&h, p, from),
                 }
                 backend.user_mut().take_abort(&h, p, from);
             }

@@ -56,7 +56,7 @@ use crate::wire::{HDR_LEN, MASK_BITS};
 
 pub use crate::bcast::{Path, PathChoice};
 pub use aggregator::Aggregator;
-pub use config::{AggConfig, CollectiveStats, SendReport};
+pub use config::{AggConfig, AllreduceMode, CollectiveStats, SendReport};
 pub use op::{AggOp, DType, Element, Quant};
 
 use backend::{make_backend, resolve_config, AggBackend};
@@ -104,8 +104,9 @@ pub struct Collective {
     cwnds: std::collections::HashMap<u16, Cwnd>,
     /// Ranks left out of every contributor set (Collective::exclude_ranks).
     excluded: Vec<u16>,
-    /// The last reduce this member finished as root, for settle().
-    last_root: Option<RootDone>,
+    /// The last operation this member combined (a reduce as its root, or
+    /// its shard of a sharded allreduce), for settle().
+    last_served: Option<RootDone>,
     /// Whether the first call's number was agreed with an aggregator
     /// (KCCL_T_AGG_SYNC).
     synced: bool,
@@ -164,7 +165,7 @@ impl Collective {
             scratch: Vec::with_capacity(chunk / 4),
             cwnds: Default::default(),
             excluded: Vec::new(),
-            last_root: None,
+            last_served: None,
             synced: false,
             abort_ahead: None,
         })
@@ -387,14 +388,11 @@ mod tests {
         assert_eq!(resolve_config(&big, &me, &AggConfig::default()).expect("9000"), 8928);
     }
 
-    /// Members on 127.0.0.1 with their own ports: the whole API without
-    /// namespaces or root (ranks 0..=2 members, rank 3 the aggregator).
-    #[test]
-    fn loopback_reduce_and_allreduce() {
-        use std::sync::atomic::AtomicBool;
-        use std::sync::Arc;
+    /// `n` ranks on 127.0.0.1, each with a free port (picked by binding to
+    /// port 0 first).
+    fn loopback_group(name: &str, job_id: u32, n: usize) -> Group {
         let socks: Vec<std::net::UdpSocket> =
-            (0..4).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind")).collect();
+            (0..n).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind")).collect();
         let ports: Vec<u16> = socks.iter().map(|s| s.local_addr().expect("addr").port()).collect();
         drop(socks);
         let members = ports
@@ -408,7 +406,16 @@ mod tests {
                 netns: None,
             })
             .collect();
-        let mut grp = Group::new("loop", 9, members);
+        Group::new(name, job_id, members)
+    }
+
+    /// Members on 127.0.0.1 with their own ports: the whole API without
+    /// namespaces or root (ranks 0..=2 members, rank 3 the aggregator).
+    #[test]
+    fn loopback_reduce_and_allreduce() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let mut grp = loopback_group("loop", 9, 4);
         grp.aggregator = Some(3);
         let cfg = AggConfig { deadline: Duration::from_secs(10), ..AggConfig::default() };
         let stop = Arc::new(AtomicBool::new(false));
@@ -473,6 +480,91 @@ mod tests {
         let st = agg_thread.join().expect("aggregator");
         assert_eq!(st.rejected(), 0, "{st:?}");
         assert!(st.results > 0);
+    }
+
+    /// The sharded allreduce over loopback: no aggregator in the group
+    /// file, so every member combines a shard (AllreduceMode::Auto).
+    /// Exact sums and maxima, the float32 exponent pre-pass, the int64
+    /// redo of an int32 overflow (AVG of values near 2^31), a vector of
+    /// fewer chunks than members; every member served its shard and
+    /// settle() finds every receipt.
+    #[test]
+    fn loopback_sharded_allreduce() {
+        const N: u16 = 4;
+        const LEN: usize = 5000;
+        let grp = loopback_group("shard", 11, N.into());
+        let cfg = AggConfig { deadline: Duration::from_secs(10), ..AggConfig::default() };
+        let floats = |r: u16| -> Vec<f32> { (0..LEN).map(|i| (i as f32 - 1500.0) * 0.01 + f32::from(r)).collect() };
+        let ints =
+            |r: u16| -> Vec<i64> { (0..LEN as i64).map(|i| (i * 7919 + i64::from(r) * 104_729) % 10_007).collect() };
+        let big = |r: u16| -> Vec<i32> { (0..LEN as i32).map(|i| 2_000_000_000 - i * 1000 - i32::from(r)).collect() };
+        let threads: Vec<_> = (0..N)
+            .map(|r| {
+                let (g, c) = (grp.clone(), cfg.clone());
+                std::thread::spawn(move || {
+                    let mut col = Collective::new(&g, r, PathChoice::User, c).expect("collective");
+                    let sum = col.allreduce(&floats(r), AggOp::Sum).expect("f32 sum");
+                    let max = col.allreduce(&ints(r), AggOp::Max).expect("i64 max");
+                    let avg = col.allreduce(&big(r), AggOp::Avg).expect("i32 avg (int64 redo)");
+                    let one = col.allreduce(&[i32::from(r) + 1], AggOp::Sum).expect("one element");
+                    let open = col.settle(Duration::from_secs(5)).expect("settle");
+                    (r, sum, max, avg, one, open, col.stats())
+                })
+            })
+            .collect();
+        let (fs, is, bs): (Vec<_>, Vec<_>, Vec<_>) = (0..N).map(|k| (floats(k), ints(k), big(k))).fold(
+            (Vec::new(), Vec::new(), Vec::new()),
+            |(mut a, mut b, mut c), (x, y, z)| {
+                a.push(x);
+                b.push(y);
+                c.push(z);
+                (a, b, c)
+            },
+        );
+        for t in threads {
+            let (r, sum, max, avg, one, open, st) = t.join().expect("member");
+            for i in 0..LEN {
+                let want: f64 = fs.iter().map(|v| f64::from(v[i])).sum();
+                // e <= 6 (|x| < 40), n = 4, h = 2: bound 4 * 2^(6+2-31).
+                assert!((f64::from(sum[i]) - want).abs() <= 4.0 * 2f64.powi(-23) + 2e-5, "rank {r} sum [{i}]");
+                assert_eq!(max[i], is.iter().map(|v| v[i]).max().expect("ranks"), "rank {r} max [{i}]");
+                let total: i128 = bs.iter().map(|v| i128::from(v[i])).sum();
+                assert_eq!(i128::from(avg[i]), total / i128::from(N), "rank {r} avg [{i}]");
+            }
+            assert_eq!(one, vec![(1..=i32::from(N)).sum::<i32>()], "rank {r}");
+            assert!(open.is_empty(), "rank {r}: no receipt from {open:?}");
+            assert!(st.redo_ops >= 1, "rank {r}: the AVG of values near 2^31 overflows int32: {st:?}");
+            // Rank 0 owns the one-element call's only shard; every rank
+            // owns a shard of the others.
+            assert!(st.agg.results > 0, "rank {r} combined nothing: {:?}", st.agg);
+            assert_eq!(st.agg.rejected(), 0, "rank {r}: {:?}", st.agg);
+        }
+    }
+
+    /// AllreduceMode::Aggregator without an aggregator in the group file
+    /// is refused with what to do.
+    #[test]
+    fn aggregator_mode_needs_an_aggregator() {
+        let grp = loopback_group("no-agg", 12, 2);
+        let forced = AggConfig { allreduce: AllreduceMode::Aggregator, ..AggConfig::default() };
+        let mut col = Collective::new(&grp, 0, PathChoice::User, forced).expect("collective");
+        let e = col.allreduce(&[1i32], AggOp::Sum).expect_err("no aggregator named");
+        assert!(e.to_string().contains("names no allreduce aggregator"), "{e}");
+    }
+
+    #[test]
+    fn shards_are_whole_chunks_in_owner_order() {
+        let a = |r: u16| (r, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 1000 + r));
+        let owners = [a(0), a(1), a(2), a(3)];
+        let cut =
+            |n, epc| allreduce::split(n, epc, &owners).into_iter().map(|s| (s.owner, s.elems)).collect::<Vec<_>>();
+        // 14 chunks of 10 (the last 5 elements short): 3, 4, 3, 4 chunks.
+        assert_eq!(cut(135, 10), vec![(0, 0..30), (1, 30..70), (2, 70..100), (3, 100..135)]);
+        // Fewer chunks than owners: the chunks go to spread owners, the
+        // others own nothing.
+        assert_eq!(cut(25, 10), vec![(1, 0..10), (2, 10..20), (3, 20..25)]);
+        assert_eq!(cut(1, 10), vec![(3, 0..1)]);
+        assert!(cut(0, 10).is_empty());
     }
 
     #[cfg(not(feature = "kernel-agg"))]

@@ -372,13 +372,14 @@ impl AggSink for RootSink<'_, '_> {
     }
 }
 
-/// A reduce operation finished at this root: (op id, chunks, contributors).
+/// An operation this member combined (a reduce at this root, its shard of
+/// a sharded allreduce): (op id, chunks, contributors).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct RootDone {
-    op_id: u32,
-    nchunks: u32,
-    base: u16,
-    mask: u64,
+    pub(super) op_id: u32,
+    pub(super) nchunks: u32,
+    pub(super) base: u16,
+    pub(super) mask: u64,
 }
 
 impl Collective {
@@ -390,16 +391,17 @@ impl Collective {
         self.root_collect::<T>(len, op, None)
     }
 
-    /// After the last reduce this member finished as root: keeps answering
+    /// After the last operation this member combined (a reduce it was the
+    /// root of, or its shard of a sharded allreduce): keeps answering
     /// retransmissions until every contributor of it confirmed it has every
-    /// answer (its RECEIPT; an ACK lost in the fan-out is re-sent from the
-    /// finished chunk), or `max` passed.  Call it before the process exits
-    /// (on the kernel path the programs detach with it, on the user path
-    /// nobody else answers).  Returns the ranks that did not confirm (their
-    /// receipt was lost, or they died); empty when all did or there was no
-    /// such reduce.
+    /// answer (its RECEIPT; an ACK or RESULT lost on the way is re-sent
+    /// from the finished chunk), or `max` passed.  Call it before the
+    /// process exits (on the kernel path the programs detach with it, on
+    /// the user path nobody else answers).  Returns the ranks that did not
+    /// confirm (their receipt was lost, or they died); empty when all did
+    /// or there was no such operation.
     pub fn settle(&mut self, max: Duration) -> Result<Vec<u16>> {
-        let Some(d) = self.last_root else { return Ok(Vec::new()) };
+        let Some(d) = self.last_served else { return Ok(Vec::new()) };
         let end = Instant::now() + max;
         loop {
             let mut open = Vec::new();
@@ -553,7 +555,8 @@ impl Collective {
         }
         self.stats.root_chunks += nchunks as u64;
         drop(st);
-        self.last_root = Some(RootDone { op_id: main.op_id, nchunks: nchunks as u32, base: set.base, mask: set.mask });
+        self.last_served =
+            Some(RootDone { op_id: main.op_id, nchunks: nchunks as u32, base: set.base, mask: set.mask });
         Ok(())
     }
 

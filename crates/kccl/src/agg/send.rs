@@ -11,7 +11,7 @@ use super::abort::{self, Peers};
 use super::allreduce::finish_of;
 use super::codec::{Dst, Enc, Src};
 use super::config::SendReport;
-use super::dispatch::pump;
+use super::dispatch::{pump, Decode};
 use super::member::{ContribStats, Contributor, Cwnd, Spec};
 use super::op::{AggOp, Element, Quant};
 use super::root::RootSink;
@@ -57,8 +57,8 @@ impl Collective {
                     let spec = self.spec(&what, call * 4, AggOp::Max, to, to_addr, set, true, false);
                     agreed = vec![0i32; exps.len()];
                     let fin = finish_of(&Enc::I32(&exps), AggOp::Max, set.count);
-                    let (_, ovf) = self.run_allreduce(spec, Enc::I32(&exps), fin, &mut Dst::I32(&mut agreed))?;
-                    if !ovf.is_empty() {
+                    let ovf = self.run_allreduce(vec![(spec, Enc::I32(&exps), 0)], fin, &mut Dst::I32(&mut agreed))?;
+                    if ovf.iter().any(|o| !o.is_empty()) {
                         return Err(self.protocol_error(&what, "the exponent pre-pass came back with OVERFLOW"));
                     }
                     scales = agreed.iter().map(|&e| quant::auto_scale(e, 0)).collect();
@@ -73,7 +73,7 @@ impl Collective {
         let enc = self.encoding(src, op, &scales, &agreed);
         let enc = self.or_abort(enc, call, set, to)?;
         let spec = self.spec(&what, call * 4 + 1, op, to, to_addr, set, false, false);
-        let (st, _) = self.contribute(spec, enc, &mut |_, _, _| {})?;
+        let (st, _) = self.contribute_all(vec![(spec, enc)], &mut |_, _, _, _| {})?.remove(0);
         report.chunks = st.chunks as usize;
         report.datagrams = st.datagrams;
         report.retransmits = st.retransmits;
@@ -143,40 +143,52 @@ impl Collective {
         })
     }
 
-    /// One operation as a contributor, to completion or error.  `decode`
-    /// gets each newly answered RESULT chunk.  Returns this operation's
-    /// counters and the chunks whose RESULT carried F_OVERFLOW.
-    pub(super) fn contribute(
+    /// Operations as a contributor, run at once (one per aggregating rank:
+    /// a sharded allreduce sends every shard to its owner concurrently), to
+    /// completion or the first error.  `decode(job, chunk, payload,
+    /// overflow)` gets each newly answered RESULT chunk of `jobs[job]`.
+    /// Returns each job's counters and the chunks whose RESULT carried
+    /// F_OVERFLOW.
+    pub(super) fn contribute_all(
         &mut self,
-        spec: Spec,
-        enc: Enc<'_>,
-        decode: &mut dyn FnMut(usize, &[u8], bool),
-    ) -> Result<(ContribStats, Vec<usize>)> {
+        jobs: Vec<(Spec, Enc<'_>)>,
+        decode: Decode<'_>,
+    ) -> Result<Vec<(ContribStats, Vec<usize>)>> {
+        let Some(first) = jobs.first() else {
+            return Ok(Vec::new());
+        };
         // Another member aborted this call while this one was still in an
         // earlier call: fail before sending anything.
+        let call_op = abort::call_op(first.0.op_id);
         if let Some((op, a)) = self.abort_ahead.take() {
-            if op == abort::call_op(spec.op_id) {
+            if op == call_op {
                 self.stats.contrib.aborts += 1;
-                return Err(a.error(&spec.what));
+                return Err(a.error(&first.0.what));
             }
-            if op.wrapping_sub(abort::call_op(spec.op_id)) <= 8 * 4 {
+            if op.wrapping_sub(call_op) <= 8 * 4 {
                 self.abort_ahead = Some((op, a)); // still ahead of this call
             }
         }
-        let agg_rank = spec.agg_rank;
-        let cwnd = *self.cwnds.entry(agg_rank).or_insert_with(|| Cwnd::new(self.cfg.window_chunks(self.chunk)));
-        let mut c = Contributor::new(spec, enc, self.timing(), cwnd);
-        self.stats.ops += 1;
+        let t = self.timing();
+        let window = self.cfg.window_chunks(self.chunk);
+        let mut cs: Vec<Contributor<'_>> = jobs
+            .into_iter()
+            .map(|(spec, enc)| {
+                let cwnd = *self.cwnds.entry(spec.agg_rank).or_insert_with(|| Cwnd::new(window));
+                Contributor::new(spec, enc, t, cwnd)
+            })
+            .collect();
+        self.stats.ops += cs.len() as u64;
         let res = loop {
             let now = Instant::now();
-            if let Err(e) = c.send_due(&self.sock, now) {
+            if let Err(e) = cs.iter_mut().filter(|c| !c.done()).try_for_each(|c| c.send_due(&self.sock, now)) {
                 break Err(e);
             }
-            if c.done() {
+            if cs.iter().all(Contributor::done) {
                 break Ok(());
             }
             let mut sink = RootSink::new(&mut self.stash, self.calls.wrapping_sub(1), self.cfg.nslots, None);
-            let wait = c.wait(now);
+            let wait = cs.iter().filter(|c| !c.done()).map(|c| c.wait(now)).min().unwrap_or(Duration::ZERO);
             let r = pump(
                 &self.sock,
                 &mut self.rb,
@@ -184,29 +196,35 @@ impl Collective {
                 &mut self.stats,
                 wait,
                 false,
-                Some((&mut c, &mut *decode)),
+                Some((cs.as_mut_slice(), &mut *decode)),
                 &mut sink,
             );
             sink.count_into(&mut self.stats);
             if let Err(e) = r {
                 break Err(e);
             }
-            if c.done() {
+            if cs.iter().all(Contributor::done) {
                 break Ok(());
             }
-            if let Err(e) = c.check_deadline(Instant::now()) {
+            let now = Instant::now();
+            if let Err(e) = cs.iter().filter(|c| !c.done()).try_for_each(|c| c.check_deadline(now)) {
                 break Err(e);
             }
         };
-        self.cwnds.insert(agg_rank, c.cwnd);
-        if let Some(x) = c.take_ahead() {
-            self.abort_ahead = Some(x);
+        let mut out = Vec::with_capacity(cs.len());
+        for mut c in cs {
+            self.cwnds.insert(c.spec().agg_rank, c.cwnd);
+            if let Some(x) = c.take_ahead() {
+                self.abort_ahead = Some(x);
+            }
+            // Done or given up: either way this member wants no more
+            // answers of the operation, so the aggregator may reuse its
+            // slots.  Best effort (if lost, the slots are reused
+            // cfg_slot_timeout after completion).
+            let _ = c.send_receipt(&self.sock);
+            self.stats.contrib.add(&c.stats);
+            out.push((c.stats, c.overflowed().to_vec()));
         }
-        // Done or given up: either way this member wants no more answers of
-        // the operation, so the aggregator may reuse its slots.  Best effort
-        // (if lost, the slots are reused cfg_slot_timeout after completion).
-        let _ = c.send_receipt(&self.sock);
-        self.stats.contrib.add(&c.stats);
-        res.map(|()| (c.stats, c.overflowed().to_vec()))
+        res.map(|()| out)
     }
 }

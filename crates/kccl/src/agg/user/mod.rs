@@ -191,6 +191,9 @@ pub struct UserAggregator {
     receipts: Vec<Option<(u32, u32)>>,
     /// The latest operation a receipt said was finished (every chunk).
     last_done: Option<u32>,
+    /// A member of the group (not its aggregator service): in a sharded
+    /// allreduce it is one of the contributors of the shard it combines.
+    shard_owner: bool,
     stats: AggStats,
 }
 
@@ -264,6 +267,7 @@ impl UserAggregator {
             kernel_mismatches: Vec::new(),
             receipts: vec![None; max_rank + 1],
             last_done: None,
+            shard_owner: group.aggregator != Some(cfg.my_rank),
             stats: AggStats::default(),
         }
     }
@@ -425,10 +429,15 @@ impl UserAggregator {
             }
             return;
         }
-        // This aggregator cannot be one of the contributors it waits for.
+        // This aggregator is one of the contributors it waits for only as
+        // the owner of a shard of a sharded allreduce (its own contribution
+        // comes from its Collective, over loopback); a reduce root folds
+        // its own data in after the sum, and the aggregator service has
+        // none.
         let me = self.cfg.my_rank as usize;
         let base = h.mask_base as usize;
-        if me >= base && me - base < MASK_BITS && h.dst_mask & (1u64 << (me - base)) != 0 {
+        let own_ok = self.shard_owner && h.flags & F_ALLREDUCE != 0;
+        if !own_ok && me >= base && me - base < MASK_BITS && h.dst_mask & (1u64 << (me - base)) != 0 {
             self.stats.malformed += 1;
             return;
         }
