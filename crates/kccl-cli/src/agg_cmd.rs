@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use clap::Args;
-use kccl::agg::{AggConfig, AggOp, Collective, Element, Quant};
+use kccl::agg::{AggConfig, AggOp, AllreduceMode, Collective, Element, Quant};
 use kccl::bcast::{Path, PathChoice};
 use kccl_testbed::bench::agg::{AggHarness, AggRecord, CpuRecord, Kind};
 use kccl_testbed::bench::cpu::measure_cpu;
@@ -56,6 +56,11 @@ pub struct CollectiveArgs {
     /// GSO, `kccl fault` on this host drops or duplicates whole GSO sends.
     #[arg(long)]
     no_gso: bool,
+    /// allreduce: who combines: "auto" (the group's aggregator if it names
+    /// one, else sharded), "aggregator" or "sharded" (every member combines
+    /// a shard; user-space path only so far).
+    #[arg(long, default_value = "auto")]
+    allreduce: String,
 }
 
 #[derive(Args)]
@@ -80,6 +85,7 @@ fn config(a: &CollectiveArgs) -> Result<AggConfig> {
     }
     cfg.deadline = Duration::from_secs_f64(a.deadline);
     cfg.gso = !a.no_gso;
+    cfg.allreduce = a.allreduce.parse().map_err(Error::Usage)?;
     Ok(cfg)
 }
 
@@ -289,6 +295,11 @@ pub struct BenchAggArgs {
     /// Both paths send every chunk as its own datagram (no UDP GSO runs).
     #[arg(long)]
     no_gso: bool,
+    /// allreduce: who combines: "aggregator" (host 0 runs the aggregator
+    /// service) or "sharded" (every sender combines a shard; user-space
+    /// path only so far, so the kernel path is not run).
+    #[arg(long, default_value = "aggregator")]
+    allreduce: String,
 }
 
 pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
@@ -304,14 +315,20 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     let mut h = AggHarness::new(&cluster::unique_name("bagg"), a.senders)?;
     h.show_recovery = true;
     // Large vectors: allow for the 2-core machine being slow under load.
-    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: !a.no_gso, ..AggConfig::default() };
+    let allreduce: AllreduceMode = a.allreduce.parse().map_err(Error::Usage)?;
+    if allreduce == AllreduceMode::Auto {
+        return Err(Error::Usage("--allreduce auto: the bench needs aggregator or sharded".into()));
+    }
+    let sharded = kind == Kind::Allreduce && allreduce == AllreduceMode::Sharded;
+    let cfg = AggConfig { deadline: Duration::from_secs(60), gso: !a.no_gso, allreduce, ..AggConfig::default() };
     println!(
-        "== {kind} of int32 vectors, {} senders, kernel vs user path{}",
+        "== {kind} of int32 vectors, {} senders, {}{}",
         a.senders,
+        if sharded { "sharded (every sender combines a shard), user path" } else { "kernel vs user path" },
         if a.no_gso { " (no UDP GSO)" } else { "" }
     );
-    let rows: Vec<AggRecord> =
-        h.measure(kind, op, a.senders, &[PathChoice::Kernel, PathChoice::User], &a.sizes, a.iters, &cfg)?;
+    let paths: &[PathChoice] = if sharded { &[PathChoice::User] } else { &[PathChoice::Kernel, PathChoice::User] };
+    let rows: Vec<AggRecord> = h.measure(kind, op, a.senders, paths, &a.sizes, a.iters, &cfg)?;
     drop(h);
     let json = a.json.unwrap_or_else(|| PathBuf::from(format!("bench-{kind}.json")));
     write_outputs(&rows, &json, a.plot.as_deref(), &kind.to_string())?;

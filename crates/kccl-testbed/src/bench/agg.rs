@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use crate::bench::percentile;
 use crate::cluster::{ClusterGuard, ClusterSpec};
 use crate::error::{Error, Result};
-use kccl::agg::{quant, AggConfig, AggOp, Aggregator, Collective, Element};
+use kccl::agg::{quant, AggConfig, AggOp, Aggregator, AllreduceMode, Collective, Element};
 use kccl::bcast::{thread_cpu_time, Path, PathChoice};
 use kccl::group::Group;
 use kccl::netns;
@@ -490,10 +490,14 @@ impl AggHarness {
         let root_work = root_work.filter(|_| kind == Kind::Reduce);
         let corrupt = self.corrupt_results;
         // Host 0 is the reduce root, or the allreduce aggregator service (a
-        // reduce root must not be the group's allreduce aggregator).
+        // reduce root must not be the group's allreduce aggregator).  A
+        // sharded allreduce has no service: host 0 stays named as the
+        // aggregator, so that it is no member, and idles; the senders
+        // combine a shard each.
         let mut group = self.group.clone();
         let agg_rank = group.members[0].rank;
         group.aggregator = (kind == Kind::Allreduce).then_some(agg_rank);
+        let sharded = kind == Kind::Allreduce && cfg.allreduce == AllreduceMode::Sharded;
         let group = &group;
         let senders_ranks: Vec<u16> = group.members.iter().skip(1).take(senders).map(|m| m.rank).collect();
         if senders_ranks.len() < senders {
@@ -526,7 +530,7 @@ impl AggHarness {
 
         std::thread::scope(|s| -> Result<()> {
             // The allreduce aggregator service.
-            let service = if kind == Kind::Allreduce {
+            let service = if kind == Kind::Allreduce && !sharded {
                 let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
                 let (sub, stop, service_cpu) = (&sub, &stop, &service_cpu);
                 let h = s.spawn(move || -> Result<()> {
@@ -606,6 +610,11 @@ impl AggHarness {
                             let cpu = thread_cpu_time() - c0;
                             if kind == Kind::Reduce && rank == agg_rank {
                                 serve_until(&mut c, finished, (it + 1) * others, cfg.deadline, barrier)?;
+                            } else if sharded {
+                                // Every member owns a shard: it answers the
+                                // others' retransmissions until all returned.
+                                finished.fetch_add(1, Ordering::SeqCst);
+                                serve_until(&mut c, finished, (it + 1) * (others + 1), cfg.deadline, barrier)?;
                             } else {
                                 finished.fetch_add(1, Ordering::SeqCst);
                             }

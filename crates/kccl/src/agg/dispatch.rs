@@ -17,7 +17,8 @@ use crate::bcast::Path;
 /// contributor is the index into the slice of contributors pump drives.
 pub(super) type Decode<'d> = &'d mut dyn FnMut(usize, usize, &[u8], bool);
 
-/// Receives one batch (or times out) and hands every datagram to its role:
+/// Receives one batch (or times out) and hands every datagram to its role
+/// (returns how many datagrams it received):
 /// contributions to the aggregator backend, answers to the contributor
 /// whose aggregator sent them (a sharded allreduce contributes to every
 /// member at once, one contributor per aggregating rank).
@@ -31,7 +32,7 @@ pub(super) fn pump(
     root_waiting: bool,
     mut contrib: Option<(&mut [Contributor<'_>], Decode<'_>)>,
     sink: &mut dyn AggSink,
-) -> Result<()> {
+) -> Result<usize> {
     let mut sock_wait = wait;
     if backend.path() == Path::Kernel {
         // Kernel records: wait on the ring when the root waits for them,
@@ -90,5 +91,6 @@ pub(super) fn pump(
         }
     }
     backend.sync_kernel()?;
-    backend.user_mut().flush(sock)
+    backend.user_mut().flush(sock)?;
+    Ok(n)
 }

@@ -17,6 +17,10 @@ use super::op::{AggOp, Element, Quant};
 use super::root::RootSink;
 use super::{check_len, quant, Collective, Contributors};
 
+/// Receive batches a contributor reads without waiting after the one it
+/// waited for, before its timers look at what is unanswered.
+const DRAIN_BATCHES: usize = 8;
+
 impl Collective {
     /// The paper's building block of reduce, contributor side: sends `data`
     /// for the reduce to rank `to` and waits until every chunk is
@@ -189,16 +193,31 @@ impl Collective {
             }
             let mut sink = RootSink::new(&mut self.stash, self.calls.wrapping_sub(1), self.cfg.nslots, None);
             let wait = cs.iter().filter(|c| !c.done()).map(|c| c.wait(now)).min().unwrap_or(Duration::ZERO);
-            let r = pump(
-                &self.sock,
-                &mut self.rb,
-                &mut self.backend,
-                &mut self.stats,
-                wait,
-                false,
-                Some((cs.as_mut_slice(), &mut *decode)),
-                &mut sink,
-            );
+            // Then whatever queued meanwhile (up to DRAIN_BATCHES more
+            // batches): the timers of send_due must not expire chunks whose
+            // answers wait unread in the socket (a member of a sharded
+            // allreduce also combines a shard between its sends, and every
+            // such pass made the answers look late: 10% of its datagrams
+            // were spurious retransmissions).
+            let mut r = Ok(1);
+            let mut rounds = 0;
+            while matches!(r, Ok(n) if n > 0) && rounds <= DRAIN_BATCHES {
+                let w = if rounds == 0 { wait } else { Duration::ZERO };
+                r = pump(
+                    &self.sock,
+                    &mut self.rb,
+                    &mut self.backend,
+                    &mut self.stats,
+                    w,
+                    false,
+                    Some((cs.as_mut_slice(), &mut *decode)),
+                    &mut sink,
+                );
+                rounds += 1;
+                if cs.iter().all(Contributor::done) {
+                    break;
+                }
+            }
             sink.count_into(&mut self.stats);
             if let Err(e) = r {
                 break Err(e);
