@@ -33,6 +33,9 @@
  *    the contribution (releasing an XDP frame's fragments corrupts memory
  *    on veth); its bytes past the UDP datagram are cut with
  *    bpf_skb_change_tail before the fan-out (KCCL_AS_TRIMMED).
+ *  - This host's own rank in dst_mask (the owner of a sharded allreduce's
+ *    shard contributes to it) gets no copy: xdp_agg put its result on the
+ *    ring for the owner's runtime (KCCL_AS_OWN_SKIPPED).
  *  - Copies carry skb->mark = cfg_clone_mark, so tc_bcast at TCX egress of
  *    the same interface (if loaded) passes them untouched.
  *  - A destination that cannot be served (no member, unresolved MAC, failed
@@ -180,6 +183,15 @@ int kccl_tc_agg_result(struct __sk_buff *skb)
 	f.mask = bpf_be64_to_cpu(h.dst_mask);
 	if (!f.mask || mask_base % KCCL_MASK_BITS || mask_base + KCCL_MASK_BITS > KCCL_MAX_MEMBERS)
 		return TCX_NEXT;
+	/* A sharded allreduce's owner contributes too: its copy came from
+	 * xdp_agg's ring record, never from its own wire. */
+	if (cfg_my_rank >= mask_base && cfg_my_rank < mask_base + KCCL_MASK_BITS &&
+	    ((f.mask >> (cfg_my_rank - mask_base)) & 1)) {
+		f.mask &= ~(1ULL << (cfg_my_rank - mask_base));
+		stat_add(KCCL_AS_OWN_SKIPPED, 1);
+		if (!f.mask)
+			return TC_ACT_SHOT;
+	}
 
 	f.skb = skb;
 	f.l4_off = l4_off;

@@ -20,7 +20,13 @@
  *    the chunks it read, many per KCCL_T_AGG_ACKS datagram;
  *  - allreduce (KCCL_F_ALLREDUCE): the result is written into the packet's
  *    payload in the contributed width (I32/F32Q saturated to int32 with
- *    KCCL_F_OVERFLOW) and it becomes KCCL_T_AGG_RESULT.
+ *    KCCL_F_OVERFLOW) and it becomes KCCL_T_AGG_RESULT.  A sharded
+ *    allreduce's owner contributes to the chunks of its shard
+ *    through BPF_PROG_TEST_RUN of this program (same maps, src_rank ==
+ *    cfg_my_rank; the run's output frame is its answer); when another
+ *    member's contribution completes such a chunk, the owner's copy goes
+ *    to agg_records (adaptive wake-up) and tc_agg_result leaves the owner
+ *    out of the fan-out.
  * Every other contribution is consumed (XDP_DROP) after it was added.  A
  * retransmission of a finished chunk gets the answer again, addressed to its
  * sender only.  Every outcome is counted in agg_stats (enum kccl_agg_stat).
@@ -538,7 +544,7 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 	__u32 ihl_len, udp_len, tot_len, esize, chunk, idx, base, src, act, r, zero = 0, pay_off;
 	long stopped;
 	__u16 flags;
-	bool ovf;
+	bool ovf, own;
 
 	if (!cfg_chunk_bytes)
 		return XDP_PASS;
@@ -723,17 +729,30 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 		return make_answer(ctx, c.allreduce ? KCCL_T_AGG_RESULT : KCCL_T_AGG_ACK, flags, ovf,
 				   c.bit, c.allreduce ? c.pay_len : 0, NULL);
 	}
+	/* A sharded allreduce: this host owns the chunk and contributes to it
+	 * too.  Its own contribution comes through BPF_PROG_TEST_RUN (src ==
+	 * cfg_my_rank), whose output is the owner's answer; a chunk a remote
+	 * contribution completes also goes to the ring as the owner's copy. */
+	own = act == ACT_DONE_ALL && src != cfg_my_rank && cfg_my_rank >= c.mask_base &&
+	      cfg_my_rank < c.mask_base + KCCL_MASK_BITS && ((c.mask >> (cfg_my_rank - c.mask_base)) & 1);
 	if (act == ACT_DONE_ALL) {
 		if (ovf)
 			stat_add(KCCL_AS_OVERFLOW, 1);
 		stat_add(KCCL_AS_RESULTS, 1);
-		return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, NULL);
+		if (!own)
+			return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, NULL);
 	}
 	if (act == ACT_DONE_RED && ovf)
 		stat_add(KCCL_AS_OVERFLOW, 1);
 
-	/* Reduce completion or retry: record to the ring, then the ACK. */
-	r = deliver(s, base, c.op_id, c.pay_len, c.msg_len, esize);
+	/* Reduce completion or retry, or an owner's copy: record to the ring,
+	 * then the ACK (reduce) or the RESULT (allreduce, whatever the ring:
+	 * the slot is DONE, so the owner's retransmission gets it again). */
+	r = deliver(s, base, c.op_id, c.pay_len, c.msg_len, esize, own);
+	if (own) {
+		stat_add(r ? KCCL_AS_OWN_RING_FULL : KCCL_AS_OWN_RECORDS, 1);
+		return make_answer(ctx, KCCL_T_AGG_RESULT, flags, ovf, c.mask, c.pay_len, NULL);
+	}
 	bpf_spin_lock(&s->lock);
 	s->state = r ? KCCL_SLOT_UNDELIVERED : KCCL_SLOT_DONE;
 	if (!r)

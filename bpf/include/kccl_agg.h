@@ -193,6 +193,9 @@ enum kccl_agg_stat {
 	KCCL_AS_NEXT_HOP_LEARNED, /* members[rank].mac set from a packet's source MAC */
 	KCCL_AS_ABORT_FREED,	/* ACTIVE slots of an aborted call freed (kccl_agg_sweep) */
 	KCCL_AS_ABORTED_CALL,	/* contribution of a recently aborted call: passed */
+	KCCL_AS_OWN_RECORDS,	/* allreduce results recorded for this host's own contributor */
+	KCCL_AS_OWN_RING_FULL,	/* ... ring full: the owner's retransmission fetches it */
+	KCCL_AS_OWN_SKIPPED,	/* tc_agg_result: answers not sent back to this host itself */
 	KCCL_AS_NR,
 };
 

@@ -129,20 +129,25 @@ static __always_inline int make_answer(struct xdp_md *ctx, __u8 type, __u16 in_f
 }
 
 /*
- * Reduce: the slot's record (its header, then the values of sub-blocks 0 ..
- * nsub-1 of agg_acc from entry `base`) to the ring buffer in one record (the
- * slot is DELIVERING, so nobody else writes it or its sub-blocks).  Wakes the
- * reader when the ring holds more than cfg_wakeup_bytes or this was the
- * operation's last missing chunk.
+ * The slot's record (its header, then the values of sub-blocks 0 .. nsub-1
+ * of agg_acc from entry `base`) to the ring buffer in one record: a reduce
+ * chunk's (the slot is DELIVERING, so nobody else writes it or its
+ * sub-blocks), or (`own`) the owner's copy of a sharded allreduce chunk
+ * (DONE: nobody adds to it).  A reduce record wakes the reader when the
+ * ring holds more than cfg_wakeup_bytes or this was the operation's last
+ * missing chunk; an owner's copy wakes it when the reader had caught up
+ * (the ring's adaptive wake-up): its runtime waits on the ring and its
+ * socket at once, and its op's progress cannot be counted here (the chunks
+ * its own contribution completed never come this way).
  */
 static __always_inline int deliver(struct kccl_agg_slot *s, __u32 base, __u32 op_id, __u32 pay_len,
-				   __u32 msg_len, __u32 esize)
+				   __u32 msg_len, __u32 esize, bool own)
 {
 	struct kccl_agg_op_key k = { .job_id = cfg_job_id, .op_id = op_id };
 	__u64 zero = 0, flags = BPF_RB_NO_WAKEUP, size, sub_vals, off, n;
 	struct kccl_agg_sub *u;
 	struct bpf_dynptr rec;
-	__u64 *done;
+	__u64 *done = NULL;
 	bool last = true;
 	__u32 i, idx;
 
@@ -150,16 +155,20 @@ static __always_inline int deliver(struct kccl_agg_slot *s, __u32 base, __u32 op
 		return -1;
 	size = KCCL_AGG_RECORD_HDR_LEN + (__u64)(pay_len / esize) * 8;
 	sub_vals = KCCL_AGG_SUB_BYTES / esize;	/* values per sub-block */
-	done = bpf_map_lookup_elem(&agg_op_progress, &k);
-	if (!done) {
-		bpf_map_update_elem(&agg_op_progress, &k, &zero, BPF_NOEXIST);
+	if (own) {
+		flags = 0;
+	} else {
 		done = bpf_map_lookup_elem(&agg_op_progress, &k);
+		if (!done) {
+			bpf_map_update_elem(&agg_op_progress, &k, &zero, BPF_NOEXIST);
+			done = bpf_map_lookup_elem(&agg_op_progress, &k);
+		}
+		/* Without a progress entry (cannot happen short of memory) wake always. */
+		if (done)
+			last = __sync_fetch_and_add(done, pay_len) + pay_len >= msg_len;
+		if (last || bpf_ringbuf_query(&agg_records, BPF_RB_AVAIL_DATA) + size > cfg_wakeup_bytes)
+			flags = BPF_RB_FORCE_WAKEUP;
 	}
-	/* Without a progress entry (cannot happen short of memory) wake always. */
-	if (done)
-		last = __sync_fetch_and_add(done, pay_len) + pay_len >= msg_len;
-	if (last || bpf_ringbuf_query(&agg_records, BPF_RB_AVAIL_DATA) + size > cfg_wakeup_bytes)
-		flags = BPF_RB_FORCE_WAKEUP;
 	if (bpf_ringbuf_reserve_dynptr(&agg_records, size, 0, &rec))
 		goto fail;
 	if (bpf_dynptr_write(&rec, 0, &s->rec, sizeof(s->rec), 0))
@@ -181,7 +190,7 @@ static __always_inline int deliver(struct kccl_agg_slot *s, __u32 base, __u32 op
 			goto fail;
 	}
 	bpf_ringbuf_submit_dynptr(&rec, flags);
-	if (last)
+	if (done && last)
 		bpf_map_delete_elem(&agg_op_progress, &k);
 	return 0;
 fail:

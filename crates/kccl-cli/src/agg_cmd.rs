@@ -296,8 +296,8 @@ pub struct BenchAggArgs {
     #[arg(long)]
     no_gso: bool,
     /// allreduce: who combines: "aggregator" (host 0 runs the aggregator
-    /// service) or "sharded" (every sender combines a shard; user-space
-    /// path only so far, so the kernel path is not run).
+    /// service) or "sharded" (every sender combines a shard, on the kernel
+    /// path in its own xdp_agg).
     #[arg(long, default_value = "aggregator")]
     allreduce: String,
 }
@@ -324,10 +324,10 @@ pub fn bench(kind: Kind, mut a: BenchAggArgs) -> Result<()> {
     println!(
         "== {kind} of int32 vectors, {} senders, {}{}",
         a.senders,
-        if sharded { "sharded (every sender combines a shard), user path" } else { "kernel vs user path" },
+        if sharded { "sharded (every sender combines a shard), kernel vs user path" } else { "kernel vs user path" },
         if a.no_gso { " (no UDP GSO)" } else { "" }
     );
-    let paths: &[PathChoice] = if sharded { &[PathChoice::User] } else { &[PathChoice::Kernel, PathChoice::User] };
+    let paths: &[PathChoice] = &[PathChoice::Kernel, PathChoice::User];
     let rows: Vec<AggRecord> = h.measure(kind, op, a.senders, paths, &a.sizes, a.iters, &cfg)?;
     drop(h);
     let json = a.json.unwrap_or_else(|| PathBuf::from(format!("bench-{kind}.json")));

@@ -113,6 +113,9 @@ struct KernelCounters {
     mismatch: u64,
     not_member: u64,
     overflow: u64,
+    own_records: u64,
+    own_ring_full: u64,
+    own_skipped: u64,
 }
 
 #[cfg(feature = "kernel-agg")]
@@ -125,12 +128,16 @@ fn kernel_counters(s: Option<kccl::kernel_agg::AggStats>) -> KernelCounters {
         mismatch: k.mismatch,
         not_member: k.not_member,
         overflow: k.overflow,
+        own_records: k.own_records,
+        own_ring_full: k.own_ring_full,
+        own_skipped: k.own_skipped,
     })
     .unwrap_or_default()
 }
 
 const REDUCE_JOB: u32 = 11;
 const ALLREDUCE_JOB: u32 = 12;
+const SHARDED_JOB: u32 = 13;
 
 /// The test's aggregation settings: the defaults, with a deadline short
 /// enough for the failure cases and a slot timeout that lets abandoned
@@ -506,7 +513,7 @@ fn run_members(
     cases: &[Case],
     root: Option<u16>,
     linger: Duration,
-) -> BTreeMap<u16, (Vec<Got>, kccl::agg::CollectiveStats)> {
+) -> BTreeMap<u16, (Vec<Got>, kccl::agg::CollectiveStats, KernelCounters)> {
     let barrier = Arc::new(Barrier::new(ranks.len()));
     let handles: Vec<_> = ranks
         .iter()
@@ -533,15 +540,27 @@ fn run_members(
                     // was lost (none expected on a bridge).
                     let _ = c.serve_for(linger);
                 }
-                (rank, got, c.stats())
+                if root.is_none() && g.aggregator.is_none() {
+                    // Sharded: every member owns a shard; it answers
+                    // retransmissions until every member confirmed, and
+                    // its programs stay attached until all are done.
+                    let open = c.settle(Duration::from_secs(5));
+                    assert!(matches!(&open, Ok(o) if o.is_empty()), "rank {rank}: settle {open:?}");
+                    b.wait();
+                }
+                #[cfg(feature = "kernel-agg")]
+                let kernel = kernel_counters(c.kernel_stats().expect("reading the kernel counters"));
+                #[cfg(not(feature = "kernel-agg"))]
+                let kernel = KernelCounters::default();
+                (rank, got, c.stats(), kernel)
             })
         })
         .collect();
     handles
         .into_iter()
         .map(|h| {
-            let (r, g, s) = h.join().expect("member thread");
-            (r, (g, s))
+            let (r, g, s, k) = h.join().expect("member thread");
+            (r, (g, s, k))
         })
         .collect()
 }
@@ -587,7 +606,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize])
         // The root's data last: it is not quantized.
         let mut datas: Vec<Data> = senders_v.iter().map(|&r| gen(case, i, r)).collect();
         datas.push(gen(case, i, n));
-        for (&rank, (g, _)) in &got {
+        for (&rank, (g, _, _)) in &got {
             if rank == n {
                 bad.extend(check(case, i, &datas, n as usize, false, rg.chunk_bytes as usize, &g[i]));
             } else if !matches!(g[i], Got::Sent) {
@@ -595,7 +614,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize])
             }
         }
     }
-    for (rank, (_, s)) in &got {
+    for (rank, (_, s, _)) in &got {
         if s.contrib.bad_answers != 0 || s.agg.rejected() != 0 {
             bad.push(format!("rank {rank}: dropped packets: {s:?}"));
         }
@@ -617,7 +636,7 @@ fn reduce_and_allreduce(test: &str, senders: u16, paths: Paths, sizes: &[usize])
     let mut bad = Vec::new();
     for (i, case) in cases.iter().enumerate() {
         let datas: Vec<Data> = senders_v.iter().map(|&r| gen(case, i, r)).collect();
-        for (rank, (g, _)) in &got {
+        for (rank, (g, _, _)) in &got {
             for p in check(case, i, &datas, n as usize, true, ag.chunk_bytes as usize, &g[i]) {
                 bad.push(format!("rank {rank}: {p}"));
             }
@@ -709,6 +728,83 @@ fn a_kernel_aggregator_only_2_senders() {
 #[test]
 fn a_kernel_aggregator_only_16_senders() {
     reduce_and_allreduce("a_kernel_aggregator_only_16_senders", 16, Paths::KernelAggregatorOnly, &SIZES);
+}
+
+/// The sharded allreduce: no aggregator, each of `n` members combines a
+/// shard of every vector (on the kernel path in its own xdp_agg, its own
+/// contribution through BPF_PROG_TEST_RUN) and fans it out; every case
+/// checked on every member.
+///
+///   host 0 ----+
+///   host 1 ----+-- bridge (each host owns 1/n of the chunks, sends the
+///   ...        |   rest to their owners, gets every result back)
+///   host n-1 --+
+fn sharded_allreduce(test: &str, n: u16, paths: Paths, sizes: &[usize]) {
+    if !root_or_skip(test, "network namespaces and BPF") {
+        return;
+    }
+    let t0 = Instant::now();
+    let topo = Topo::up("shard", n as usize);
+    let cases = cases(sizes);
+    let ranks: Vec<u16> = (0..n).collect();
+    let g = topo.group(SHARDED_JOB, n - 1, None);
+    let got = run_members(&topo, &g, &ranks, paths, &cases, None, Duration::ZERO);
+    let mut bad = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let datas: Vec<Data> = ranks.iter().map(|&r| gen(case, i, r)).collect();
+        for (rank, (got, _, _)) in &got {
+            for p in check(case, i, &datas, n as usize, true, g.chunk_bytes as usize, &got[i]) {
+                bad.push(format!("rank {rank}: {p}"));
+            }
+        }
+    }
+    let mut kernel_total = KernelCounters::default();
+    for (rank, (_, s, k)) in &got {
+        if s.contrib.bad_answers != 0 || s.agg.rejected() != 0 {
+            bad.push(format!("rank {rank}: dropped packets: {s:?}"));
+        }
+        // Every member owns shards of the multi-chunk cases.
+        if paths.kernel() {
+            // The kernel combined them: no contribution reached a socket.
+            if s.agg.pkts != 0 || k.pkts == 0 || k.mismatch != 0 || k.own_ring_full != 0 {
+                bad.push(format!("rank {rank}: kernel path: user-space aggregator {:?}, kernel {k:?}", s.agg));
+            }
+            kernel_total.own_records += k.own_records;
+            kernel_total.own_skipped += k.own_skipped;
+        } else if s.agg.results == 0 {
+            bad.push(format!("rank {rank}: combined nothing: {:?}", s.agg));
+        }
+    }
+    // Remote contributions completed some owned chunks: the owners' copies
+    // came from the ring, and the fan-out left the owners out.
+    if paths.kernel() && (kernel_total.own_records == 0 || kernel_total.own_skipped < kernel_total.own_records) {
+        bad.push(format!("kernel path: owners' copies {kernel_total:?}"));
+    }
+    assert_clean(&format!("{test}: sharded allreduce over {n} members"), bad);
+    println!(
+        "{test}: {} cases x {n} members, sharded: owners' records {}, fan-outs skipping the owner {}; total {:?}",
+        cases.len(),
+        kernel_total.own_records,
+        kernel_total.own_skipped,
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn e_user_path_sharded_4_members() {
+    sharded_allreduce("e_user_path_sharded_4_members", 4, Paths::User, &SIZES);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn e_kernel_path_sharded_4_members() {
+    sharded_allreduce("e_kernel_path_sharded_4_members", 4, Paths::Kernel, &SIZES_2);
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn e_kernel_path_sharded_8_members() {
+    sharded_allreduce("e_kernel_path_sharded_8_members", 8, Paths::Kernel, &SIZES);
 }
 
 /// Regression: on the kernel path the root's kernel ACKs every reduce chunk
@@ -840,7 +936,7 @@ fn large_float_sum(test: &str, paths: Paths) {
     let got = run_members(&topo, &ag, &[0, 1], paths, &cases, None, Duration::ZERO);
     let dt = t.elapsed();
     let AggOutcome { user: astats, kernel, .. } = agg.finish();
-    for (rank, (g, _)) in &got {
+    for (rank, (g, _, _)) in &got {
         assert_clean(
             &format!("{test}: allreduce rank {rank}"),
             check(&cases[0], 0, &datas[..2], 2, true, ag.chunk_bytes as usize, &g[0]),

@@ -77,6 +77,25 @@ pub fn sockaddr(a: SocketAddrV4) -> libc::sockaddr_in {
     }
 }
 
+/// Where a sender's datagrams go: a socket, or (a sharded allreduce's own
+/// shard on the kernel path) this member's own XDP program.
+pub trait DatagramOut {
+    /// Sends every datagram; returns the number of system calls made.
+    fn send_all(&mut self, dgrams: &[Datagram<'_>]) -> Result<usize>;
+}
+
+impl DatagramOut for &BatchSocket {
+    fn send_all(&mut self, dgrams: &[Datagram<'_>]) -> Result<usize> {
+        BatchSocket::send_all(self, dgrams)
+    }
+}
+
+impl AsRawFd for BatchSocket {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.sock.as_raw_fd()
+    }
+}
+
 impl BatchSocket {
     /// Binds in the calling thread's network namespace.  Buffers are raised
     /// with the *FORCE options when root (past net.core.*mem_max), else as far

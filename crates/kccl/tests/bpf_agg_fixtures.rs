@@ -373,6 +373,7 @@ fn wire_result(dtype: u8, acc: &[i64]) -> (Vec<u8>, bool) {
 struct Rec {
     op_id: u32,
     frag_off: u32,
+    mask_base: u16,
     msg_len: u32,
     payload_len: u16,
     agg_op: u8,
@@ -388,6 +389,7 @@ impl Rec {
         Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: len as u32,
             payload_len: len as u16,
             agg_op: SUM,
@@ -630,6 +632,7 @@ fn fixtures() -> Vec<Fixture> {
                     f.records = vec![Rec {
                         op_id,
                         frag_off: 0,
+                        mask_base: 0,
                         msg_len: c[0].msg_len,
                         payload_len: c[0].payload.len() as u16,
                         agg_op: op,
@@ -780,6 +783,7 @@ fn fixtures() -> Vec<Fixture> {
         let rec = |frag: u32, v: &[i64]| Rec {
             op_id,
             frag_off: frag,
+            mask_base: 0,
             msg_len: CHUNK + 12,
             payload_len: (v.len() * 4) as u16,
             agg_op: SUM,
@@ -823,6 +827,7 @@ fn fixtures() -> Vec<Fixture> {
         f.records = vec![Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 8,
             payload_len: 8,
             agg_op: SUM,
@@ -913,6 +918,7 @@ fn fixtures() -> Vec<Fixture> {
         f.records = vec![Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 16,
             payload_len: 16,
             agg_op: SUM,
@@ -1237,6 +1243,7 @@ fn fixtures() -> Vec<Fixture> {
         f.records = vec![Rec {
             op_id: op_b,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 8,
             payload_len: 8,
             agg_op: SUM,
@@ -1307,6 +1314,7 @@ fn fixtures() -> Vec<Fixture> {
         f.records = vec![Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 1432,
             payload_len: 1432,
             agg_op: MIN,
@@ -1338,6 +1346,7 @@ fn fixtures() -> Vec<Fixture> {
         f.records = vec![Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 3432,
             payload_len: 3432,
             agg_op: SUM,
@@ -1511,6 +1520,7 @@ fn fixtures() -> Vec<Fixture> {
             recs.push(Rec {
                 op_id,
                 frag_off: frag as u32,
+                mask_base: 0,
                 msg_len: msg as u32,
                 payload_len: len as u16,
                 agg_op: MIN,
@@ -1562,6 +1572,7 @@ fn fixtures() -> Vec<Fixture> {
                 recs.push(Rec {
                     op_id,
                     frag_off: 0,
+                    mask_base: 0,
                     msg_len: 1432,
                     payload_len: 1432,
                     agg_op: SUM,
@@ -1581,6 +1592,7 @@ fn fixtures() -> Vec<Fixture> {
         recs.push(Rec {
             op_id: c.op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 1432,
             payload_len: 1432,
             agg_op: SUM,
@@ -1612,6 +1624,7 @@ fn fixtures() -> Vec<Fixture> {
         let rec = |op_id| Rec {
             op_id,
             frag_off: 0,
+            mask_base: 0,
             msg_len: 1432,
             payload_len: 1432,
             agg_op: SUM,
@@ -1728,6 +1741,7 @@ fn fixtures() -> Vec<Fixture> {
             Rec {
                 op_id: op_a,
                 frag_off: 0,
+                mask_base: 0,
                 msg_len: 4,
                 payload_len: 4,
                 agg_op: MAX,
@@ -1739,6 +1753,7 @@ fn fixtures() -> Vec<Fixture> {
             Rec {
                 op_id: op_b,
                 frag_off: 0,
+                mask_base: 0,
                 msg_len: 4,
                 payload_len: 4,
                 agg_op: MAX,
@@ -1861,6 +1876,114 @@ fn fixtures() -> Vec<Fixture> {
         t.push(f);
     }
 
+    // 15. A sharded allreduce's owner (this host, rank 100, mask base 64)
+    //     contributes to its own shard's chunks through BPF_PROG_TEST_RUN
+    //     (src_rank == cfg_my_rank, its own address): a chunk a remote
+    //     contribution completes is also written to the ring (the owner's
+    //     copy; tc_agg_result leaves the owner out of the fan-out), one its
+    //     own contribution completes is answered in the run's output only.
+    {
+        let owned = |src: u16, op_id: u32, v: &[i64]| {
+            let mut c = Contrib::new(src, op_id, SUM, I32, &[], v).allreduce();
+            c.mask_base = 64;
+            c.mask = [64u16, 65, AGG_RANK].iter().fold(0, |m, r| m | 1 << (r - 64));
+            c
+        };
+        let all: u64 = 0b11 | 1 << (AGG_RANK - 64);
+        let own_bit = 1u64 << (AGG_RANK - 64);
+        for e in [Engine::Default, Engine::Chunk8928] {
+            let n = e.config().chunk_bytes as usize / 4;
+            let vals: Vec<Vec<i64>> =
+                (1..=3).map(|r: i64| (0..n as i64).map(|i| (i - 300) * r * 1_003).collect()).collect();
+            let (acc, _) = reduce(SUM, I32, &vals);
+            let (bytes, sat) = wire_result(I32, &acc);
+            let size = if e == Engine::Default { "1432" } else { "8928 (multi-buffer)" };
+
+            // The owner first, a remote member completes.
+            let op_id = ids.alloc(e, &[0]);
+            let c = [owned(AGG_RANK, op_id, &vals[0]), owned(64, op_id, &vals[1]), owned(65, op_id, &vals[2])];
+            let mut f = Fixture::new(
+                format!("sharded owner, chunk {size}: remote completion, RESULT fanned out + the owner's record"),
+                e,
+            );
+            f.drop(&c[0]).drop(&c[1]);
+            f.pass(&c[2], c[2].answer(T_AGG_RESULT, sat, all, bytes.clone()));
+            // The owner's retransmission (the ring was full, or its record
+            // was lost): its answer, addressed to itself.
+            f.pass(&c[0], c[0].answer(T_AGG_RESULT, sat, own_bit, bytes.clone()));
+            f.records = vec![Rec { mask_base: 64, ..Rec::sum_i32(op_id, c[0].payload.len(), all, acc.clone()) }];
+            f.stats = stats(|s| {
+                s.pkts = 3;
+                s.chunks_done = 1;
+                s.results = 2;
+                s.dup_done = 1;
+                s.own_records = 1;
+                s.overflow = u64::from(sat);
+            });
+            f.slots = vec![(op_id, 0, SlotState::Done, all)];
+            t.push(f);
+
+            // The owner last: its run's output is the RESULT for everyone
+            // (its runtime sends the others their copies), no record.
+            let op_id = ids.alloc(e, &[0]);
+            let c = [owned(AGG_RANK, op_id, &vals[0]), owned(64, op_id, &vals[1]), owned(65, op_id, &vals[2])];
+            let mut f = Fixture::new(format!("sharded owner, chunk {size}: the owner's own contribution completes"), e);
+            f.drop(&c[1]).drop(&c[2]);
+            f.pass(&c[0], c[0].answer(T_AGG_RESULT, sat, all, bytes.clone()));
+            f.stats = stats(|s| {
+                s.pkts = 3;
+                s.chunks_done = 1;
+                s.results = 1;
+                s.overflow = u64::from(sat);
+            });
+            f.slots = vec![(op_id, 0, SlotState::Done, all)];
+            t.push(f);
+        }
+    }
+    {
+        // The ring full when a remote contribution completes an owned
+        // chunk: the RESULT still goes out (the slot is DONE), the owner's
+        // retransmission fetches its copy.
+        let e = Engine::SmallRing;
+        let mut f = Fixture::new("sharded owner, ring full: RESULT fanned out, the owner's copy by retransmission", e);
+        let vals: Vec<i64> = (0..358).collect();
+        let all: u64 = 0b1 | 1 << (AGG_RANK - 64);
+        let own_bit = 1u64 << (AGG_RANK - 64);
+        let mut recs = Vec::new();
+        let mut last = None;
+        // A 358-value record takes 32 + 2864 + 8 bytes: five fit in 16 KiB.
+        for k in 0..6 {
+            let op_id = ids.alloc(e, &[0]);
+            let mut mine = Contrib::new(AGG_RANK, op_id, SUM, I32, &[], &vals).allreduce();
+            mine.mask_base = 64;
+            mine.mask = all;
+            let mut theirs = mine.clone();
+            theirs.src = 64;
+            let (acc, _) = reduce(SUM, I32, &[vals.clone(), vals.clone()]);
+            let (bytes, _) = wire_result(I32, &acc);
+            f.drop(&mine);
+            f.pass(&theirs, theirs.answer(T_AGG_RESULT, false, all, bytes.clone()));
+            if k < 5 {
+                recs.push(Rec { mask_base: 64, ..Rec::sum_i32(op_id, 1432, all, acc) });
+            } else {
+                last = Some((mine, bytes));
+            }
+        }
+        let (mine, bytes) = last.expect("sixth chunk");
+        f.pass(&mine, mine.answer(T_AGG_RESULT, false, own_bit, bytes));
+        f.records = recs;
+        f.stats = stats(|s| {
+            s.pkts = 12;
+            s.chunks_done = 6;
+            s.results = 7;
+            s.dup_done = 1;
+            s.own_records = 5;
+            s.own_ring_full = 1;
+        });
+        f.slots = vec![(mine.op_id, 0, SlotState::Done, all)];
+        t.push(f);
+    }
+
     t
 }
 
@@ -1934,6 +2057,7 @@ fn drain_at_most(e: &mut AggEngine, max: Option<usize>, into: &mut Vec<Rec>) -> 
         into.push(Rec {
             op_id: r.op_id,
             frag_off: r.frag_off,
+            mask_base: r.mask_base,
             msg_len: r.msg_len,
             payload_len: r.payload_len,
             agg_op: r.agg_op,
@@ -1943,7 +2067,6 @@ fn drain_at_most(e: &mut AggEngine, max: Option<usize>, into: &mut Vec<Rec>) -> 
             values: r.values().to_vec(),
         });
         assert_eq!(r.job_id, JOB);
-        assert_eq!(r.mask_base, 0);
     };
     match max {
         None => e.poll_records(Duration::ZERO, &mut f),
@@ -2071,7 +2194,8 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
 }
 
 fn members(e: &mut AggEngine) -> kccl::Result<()> {
-    for r in (1..=9).chain([64, 65]) {
+    // 100: this host (AGG_RANK), a contributor of its own shard's chunks.
+    for r in (1..=9).chain([64, 65, AGG_RANK]) {
         e.set_member(r, ip_of(r), port_of(r), Some(mac_of(r)))?;
     }
     Ok(())
@@ -2256,6 +2380,8 @@ struct TcFixture {
     /// Members set before the run: (rank, resolved).
     members: Vec<(u16, bool)>,
     verdict: u32,
+    /// The program set skb->mark (cfg_clone_mark): it went into the fan-out.
+    marked: bool,
     copies: Vec<Vec<u8>>,
     output: Vec<u8>,
     stats: AggStats,
@@ -2298,6 +2424,7 @@ fn tc_fixtures() -> Vec<TcFixture> {
             input,
             members: all.clone(),
             verdict: TC_ACT_REDIRECT,
+            marked: true,
             stats: stats(|s| s.fanout_copies = ranks.len() as u64),
             misses: vec![],
         }
@@ -2375,8 +2502,36 @@ fn tc_fixtures() -> Vec<TcFixture> {
             input,
             members: vec![(1, false), (2, false)],
             verdict: TC_ACT_SHOT,
+            marked: true,
             stats: stats(|s| s.fanout_missed = 2),
             misses: vec![(1, MissReason::Unresolved), (2, MissReason::Unresolved)],
+        });
+    }
+    {
+        // A sharded allreduce's owner (this host, rank 100 of mask base 64)
+        // contributes too: xdp_agg gave it its copy on the ring, so the
+        // fan-out serves the other contributors only.
+        let mut c = Contrib::new(64, 8, SUM, I32, &[], &[4, 5]).allreduce();
+        c.mask_base = 64;
+        let own = 1u64 << (AGG_RANK - 64);
+        let owners = 0b11 | own;
+        c.mask = owners;
+        let input = c.answer(T_AGG_RESULT, false, owners, encode(I32, &[12, 15]));
+        let mut f = fan("owner's own rank skipped: RESULT to ranks 64, 65 only", input, &[64, 65]);
+        f.members = vec![(64, true), (65, true), (AGG_RANK, true)];
+        f.stats.own_skipped = 1;
+        t.push(f);
+        let input = c.answer(T_AGG_RESULT, false, own, encode(I32, &[12, 15]));
+        t.push(TcFixture {
+            name: "an answer for the owner alone: TC_ACT_SHOT, no copy".into(),
+            copies: vec![],
+            output: input.clone(),
+            input,
+            members: vec![(64, true), (65, true), (AGG_RANK, true)],
+            verdict: TC_ACT_SHOT,
+            marked: false,
+            stats: stats(|s| s.own_skipped = 1),
+            misses: vec![],
         });
     }
     let untouched = |name: &str, input: Vec<u8>| TcFixture {
@@ -2385,6 +2540,7 @@ fn tc_fixtures() -> Vec<TcFixture> {
         input,
         members: all.clone(),
         verdict: TCX_NEXT,
+        marked: false,
         copies: vec![],
         stats: AggStats::default(),
         misses: vec![],
@@ -2467,7 +2623,7 @@ fn run_tc_fixture(n: usize, fx: &TcFixture) -> Result<(), Vec<String>> {
     if !d.is_empty() {
         errs.push(format!("output skb: {d}"));
     }
-    let want_mark = if fx.verdict == TCX_NEXT { 0 } else { CLONE_MARK };
+    let want_mark = if fx.marked { CLONE_MARK } else { 0 };
     if o.mark != want_mark {
         errs.push(format!("skb mark {:#x} (want {want_mark:#x})", o.mark));
     }

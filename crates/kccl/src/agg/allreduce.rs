@@ -15,7 +15,6 @@ use super::member::Spec;
 use super::op::{AggOp, Element, Quant};
 use super::root::RootDone;
 use super::{check_len, chunk_list, codec, contributors, quant, Collective, Contributors};
-use crate::bcast::Path;
 
 /// How a member's aggregated chunks become output elements (allreduce).
 pub(super) fn finish_of<'a>(enc: &Enc<'a>, op: AggOp, count: usize) -> Finish<'a> {
@@ -197,13 +196,13 @@ impl Collective {
             };
             vec![(agg, self.addr_of(agg)?)]
         } else {
-            if self.backend.path() == Path::Kernel {
-                return Err(Error::Usage(format!(
-                    "{what}: the sharded allreduce runs on the user-space path only so far (each member's own \
-                     contribution to its shard cannot reach its XDP program yet); use the user-space path \
-                     (PathChoice::User, `--path user`), or name an aggregator in the group file"
-                )));
-            }
+            self.backend.own_shard_supported().map_err(|why| {
+                Error::Usage(format!(
+                    "{what}: the sharded allreduce on the kernel path needs this member's own contributions in \
+                     its xdp_agg, but {why}; use the user-space path (`--path user`) or name an aggregator in \
+                     the group file"
+                ))
+            })?;
             let off = self.me.rank.wrapping_sub(set.base);
             if off >= MASK_BITS as u16 || set.mask >> off & 1 == 0 {
                 return Err(Error::Usage(format!(

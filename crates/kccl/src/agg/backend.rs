@@ -2,14 +2,16 @@
 //! programs when built with `kernel-agg` and loaded), and the checks of a
 //! configuration against the group.
 
+use std::net::SocketAddrV4;
 use std::time::Duration;
 
 use crate::chunk;
 use crate::error::{Error, Result};
 use crate::group::{Group, Member};
 use crate::netns;
+use crate::sock::{Datagram, DatagramOut};
 
-use super::config::AggConfig;
+use super::config::{AggConfig, OwnShardStats};
 #[cfg(feature = "kernel-agg")]
 use super::kernel_backend;
 use super::user::{AggSink, UserAggConfig, UserAggregator};
@@ -123,6 +125,81 @@ impl AggBackend {
 
     /// Completed reduce chunks of the kernel (ring buffer records), at most
     /// `max` (the others stay in the ring).
+    /// Makes the kernel path's record wait also end when the member's
+    /// socket is readable (a sharded allreduce's owner waits for both).
+    pub(super) fn watch_socket(&self, fd: std::os::fd::RawFd) -> Result<()> {
+        match self {
+            AggBackend::User(_) => {
+                let _ = fd;
+                Ok(())
+            }
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.engine().watch_fd(fd),
+        }
+    }
+
+    /// Op `op_id`'s own shard starts (`on`) or ends: while it runs, the
+    /// ring's records of it are this member's results.
+    pub(super) fn own_shard(&mut self, op_id: u32, on: bool) {
+        match self {
+            AggBackend::User(_) => {
+                let _ = (op_id, on);
+            }
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) if on => k.own.begin(op_id),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.own.end(op_id),
+        }
+    }
+
+    /// Whether this member can contribute to its own shard: always on the
+    /// user path (loopback), on the kernel path if its kernel runs
+    /// BPF_PROG_TEST_RUN safely next to the attached program.
+    pub(super) fn own_shard_supported(&self) -> std::result::Result<(), String> {
+        match self {
+            AggBackend::User(_) => Ok(()),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(_) => crate::kernel_agg::AggEngine::own_runs_supported(),
+        }
+    }
+
+    /// Whether an own shard is running (its records and the socket are
+    /// waited for together).
+    pub(super) fn own_shard_active(&self) -> bool {
+        match self {
+            AggBackend::User(_) => false,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.own.active(),
+        }
+    }
+
+    pub(super) fn own_shard_stats(&self) -> OwnShardStats {
+        match self {
+            AggBackend::User(_) => OwnShardStats::default(),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.own.stats,
+        }
+    }
+
+    /// Whether the own-shard inbox holds datagrams.
+    pub(super) fn own_inbox_waiting(&self) -> bool {
+        match self {
+            AggBackend::User(_) => false,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.own.has_inbox(),
+        }
+    }
+
+    /// What this member's own XDP program passed up and its own records,
+    /// as datagrams from this member's address.
+    pub(super) fn take_own_inbox(&mut self) -> Option<(Vec<Vec<u8>>, SocketAddrV4)> {
+        match self {
+            AggBackend::User(_) => None,
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => Some((k.own.take_inbox(), k.own.addr())),
+        }
+    }
+
     pub(super) fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         match self {
             AggBackend::User(_) => {
@@ -131,6 +208,24 @@ impl AggBackend {
             }
             #[cfg(feature = "kernel-agg")]
             AggBackend::Kernel(k) => k.poll(timeout, max, sink),
+        }
+    }
+}
+
+/// This member's own XDP program as the destination of its contributions
+/// to its own shard (sharded allreduce, kernel path).
+pub(super) struct OwnXdp<'a>(pub &'a mut AggBackend);
+
+impl DatagramOut for OwnXdp<'_> {
+    fn send_all(&mut self, dgrams: &[Datagram<'_>]) -> Result<usize> {
+        match &mut *self.0 {
+            AggBackend::User(_) => Err(Error::Usage(format!(
+                "{} contribution(s) to this member's own shard went to its XDP program on the user-space path \
+                 (a kccl bug: they belong on the loopback socket)",
+                dgrams.len()
+            ))),
+            #[cfg(feature = "kernel-agg")]
+            AggBackend::Kernel(k) => k.send_own(dgrams),
         }
     }
 }

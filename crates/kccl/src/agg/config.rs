@@ -133,6 +133,25 @@ pub struct CollectiveStats {
     pub contrib: ContribStats,
     /// The user-space aggregator of this member (reduce root, USER_ONLY).
     pub agg: AggStats,
+    /// Its own shards of sharded allreduces on the kernel path.
+    pub own_shard: OwnShardStats,
+}
+
+/// A sharded allreduce's own shard on the kernel path (agg/own_shard.rs):
+/// this member's contributions to it and its copies of the results.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct OwnShardStats {
+    /// Own contributions run through xdp_agg (BPF_PROG_TEST_RUN).
+    pub runs: u64,
+    /// Answers those runs passed up (PENDING, RESULT, or this member's own
+    /// contribution handed to its user-space aggregator).
+    pub passed: u64,
+    /// Copies of a RESULT the own contribution completed, sent to the other
+    /// contributors from user space.
+    pub relayed: u64,
+    /// The owner's copies read from the ring (a remote contribution
+    /// completed the chunk).
+    pub records: u64,
 }
 
 /// What a contributor's reduce call did.

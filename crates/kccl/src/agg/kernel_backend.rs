@@ -15,6 +15,8 @@
 
 use std::time::{Duration, Instant};
 
+use std::net::SocketAddrV4;
+
 use crate::agg::user::{describe_chunk, AggSink, ChunkDone, UserAggregator};
 use crate::agg::AggConfig;
 use crate::error::Result;
@@ -22,6 +24,9 @@ use crate::group::{Group, Member};
 use crate::kernel::MissReason;
 use crate::kernel_agg::{AggEngine, AggEngineConfig, SlotState};
 use crate::netns;
+use crate::sock::Datagram;
+
+use super::own_shard::OwnShard;
 
 pub(crate) struct KernelBackend {
     /// Boxed: the engine (skeletons, ring buffer readers) would make this
@@ -32,6 +37,8 @@ pub(crate) struct KernelBackend {
     pub user: UserAggregator,
     sweep_every: Duration,
     last_sweep: Instant,
+    /// This member's contributions to its own shard (sharded allreduce).
+    pub own: OwnShard,
 }
 
 impl KernelBackend {
@@ -51,6 +58,7 @@ impl KernelBackend {
             user,
             sweep_every,
             last_sweep: Instant::now(),
+            own: OwnShard::new(me.rank, SocketAddrV4::new(me.addr, me.port)),
         })
     }
 
@@ -118,6 +126,13 @@ impl KernelBackend {
         Ok(())
     }
 
+    /// This member's own contributions to its shard, through its xdp_agg
+    /// (see own_shard.rs); what they pass up goes to the user-space
+    /// aggregator's queue (relayed copies) and the own-shard inbox.
+    pub fn send_own(&mut self, dgrams: &[Datagram<'_>]) -> Result<usize> {
+        self.own.send(&self.engine, &mut self.user, dgrams)
+    }
+
     pub fn engine(&self) -> &AggEngine {
         &self.engine
     }
@@ -128,13 +143,15 @@ impl KernelBackend {
 
     /// Hands ring buffer records (completed reduce chunks) to the sink, at
     /// most `max` of them: the rest stay in the ring, in order (see
-    /// `AggEngine::poll_records_max`).
+    /// `AggEngine::poll_records_max`).  Records of this member's own shard
+    /// of a sharded allreduce go to its inbox instead.
     pub fn poll(&mut self, timeout: Duration, max: usize, sink: &mut dyn AggSink) -> Result<usize> {
         self.maybe_sweep()?;
         let job = self.job_id;
         let user = &mut self.user;
+        let own = &mut self.own;
         self.engine.poll_records_max(timeout, max, &mut |r| {
-            if r.job_id != job {
+            if r.job_id != job || own.take_record(&r) {
                 return;
             }
             // Taken: its contributors learn it with this round's other

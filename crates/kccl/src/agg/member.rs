@@ -62,7 +62,7 @@ use crate::agg::abort::{Abort, Peers, Received};
 use crate::agg::codec::Enc;
 use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
 use crate::error::{Error, Result};
-use crate::sock::{BatchSocket, Datagram};
+use crate::sock::{Datagram, DatagramOut};
 use crate::wire::{
     Header, AGG_ACKS_MAX_BYTES, F_ACK_LATER, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_ACKS,
     T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, VERSION,
@@ -354,7 +354,7 @@ impl<'e> Contributor<'e> {
 
     /// Sends the chunks that entered the window and the retransmissions that
     /// are due (module comment), in one sendmmsg round.
-    pub fn send_due(&mut self, sock: &BatchSocket, now: Instant) -> Result<()> {
+    pub fn send_due(&mut self, out: &mut dyn DatagramOut, now: Instant) -> Result<()> {
         self.todo.clear();
         let w = self.t.window;
         let (mut timed_out, mut unsure, mut fast) = (0u64, 0u64, 0u64);
@@ -467,7 +467,7 @@ impl<'e> Contributor<'e> {
                 Datagram { to, head: &self.bufs[pos..pos + HDR_LEN + plen], body: &[] }
             })
             .collect();
-        self.stats.send_calls += sock.send_all(&dgrams)? as u64;
+        self.stats.send_calls += out.send_all(&dgrams)? as u64;
         self.stats.datagrams += dgrams.len() as u64;
         Ok(())
     }
@@ -627,7 +627,7 @@ impl<'e> Contributor<'e> {
 
     /// The receipt that lets the aggregator reuse this operation's slots:
     /// every chunk is answered (or, after an error, no longer wanted).
-    pub fn send_receipt(&self, sock: &BatchSocket) -> Result<()> {
+    pub fn send_receipt(&self, out: &mut dyn DatagramOut) -> Result<()> {
         let s = &self.spec;
         let h = Header {
             version: VERSION,
@@ -646,7 +646,7 @@ impl<'e> Contributor<'e> {
         };
         let mut hb = [0u8; HDR_LEN];
         h.encode(&mut hb);
-        sock.send_all(&[Datagram { to: s.agg_addr, head: &hb, body: &[] }])?;
+        out.send_all(&[Datagram { to: s.agg_addr, head: &hb, body: &[] }])?;
         Ok(())
     }
 
@@ -781,6 +781,7 @@ mod tests {
     use super::*;
     use crate::agg::user::{AllreduceOnly, UserAggConfig, UserAggregator};
     use crate::group::{Group, Member};
+    use crate::sock::BatchSocket;
     use crate::sock::RecvBatch;
     use crate::wire::{OP_SUM, T_AGG};
     use std::net::{Ipv4Addr, UdpSocket};
@@ -893,7 +894,7 @@ mod tests {
         let mut out = vec![0i64; data.len()];
         let res = (|| loop {
             let now = Instant::now();
-            c.send_due(&sock, now)?;
+            c.send_due(&mut &sock, now)?;
             if c.done() {
                 return Ok(());
             }

@@ -46,6 +46,8 @@ mod send;
 
 #[cfg(feature = "kernel-agg")]
 mod kernel_backend;
+#[cfg(feature = "kernel-agg")]
+mod own_shard;
 
 use std::net::SocketAddrV4;
 
@@ -56,7 +58,7 @@ use crate::wire::{HDR_LEN, MASK_BITS};
 
 pub use crate::bcast::{Path, PathChoice};
 pub use aggregator::Aggregator;
-pub use config::{AggConfig, AllreduceMode, CollectiveStats, SendReport};
+pub use config::{AggConfig, AllreduceMode, CollectiveStats, OwnShardStats, SendReport};
 pub use op::{AggOp, DType, Element, Quant};
 
 use backend::{make_backend, resolve_config, AggBackend};
@@ -150,6 +152,7 @@ impl Collective {
         }
         let rb = RecvBatch::new(crate::sock::MAX_BATCH, HDR_LEN + chunk);
         let (backend, reason) = make_backend(group, &me, &cfg, chunk, choice)?;
+        backend.watch_socket(std::os::fd::AsRawFd::as_raw_fd(&sock))?;
         Ok(Collective {
             group: group.clone(),
             me,
@@ -218,7 +221,7 @@ impl Collective {
     }
 
     pub fn stats(&self) -> CollectiveStats {
-        CollectiveStats { agg: self.backend.user().stats(), ..self.stats }
+        CollectiveStats { agg: self.backend.user().stats(), own_shard: self.backend.own_shard_stats(), ..self.stats }
     }
 
     /// Mismatching contributions this member's aggregator role refused.

@@ -5,10 +5,12 @@
 use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
+use crate::bcast::Path;
 use crate::error::{Error, Result};
 
 use super::abort::{self, Peers};
 use super::allreduce::finish_of;
+use super::backend::OwnXdp;
 use super::codec::{Dst, Enc, Src};
 use super::config::SendReport;
 use super::dispatch::{pump, Decode};
@@ -183,9 +185,24 @@ impl Collective {
             })
             .collect();
         self.stats.ops += cs.len() as u64;
+        // On the kernel path this member's contributions to its own shard
+        // (sharded allreduce) go through its own xdp_agg: they never cross
+        // its interface.
+        let kernel = self.backend.path() == Path::Kernel;
+        let own = |c: &Contributor<'_>| kernel && c.spec().agg_rank == c.spec().my_rank;
+        for c in cs.iter().filter(|c| own(c)) {
+            self.backend.own_shard(c.spec().op_id, true);
+        }
         let res = loop {
             let now = Instant::now();
-            if let Err(e) = cs.iter_mut().filter(|c| !c.done()).try_for_each(|c| c.send_due(&self.sock, now)) {
+            let sent = cs.iter_mut().filter(|c| !c.done()).try_for_each(|c| {
+                if own(c) {
+                    c.send_due(&mut OwnXdp(&mut self.backend), now)
+                } else {
+                    c.send_due(&mut &self.sock, now)
+                }
+            });
+            if let Err(e) = sent {
                 break Err(e);
             }
             if cs.iter().all(Contributor::done) {
@@ -240,7 +257,12 @@ impl Collective {
             // answers of the operation, so the aggregator may reuse its
             // slots.  Best effort (if lost, the slots are reused
             // cfg_slot_timeout after completion).
-            let _ = c.send_receipt(&self.sock);
+            if own(&c) {
+                let _ = c.send_receipt(&mut OwnXdp(&mut self.backend));
+                self.backend.own_shard(c.spec().op_id, false);
+            } else {
+                let _ = c.send_receipt(&mut &self.sock);
+            }
             self.stats.contrib.add(&c.stats);
             out.push((c.stats, c.overflowed().to_vec()));
         }

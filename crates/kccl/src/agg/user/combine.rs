@@ -48,7 +48,7 @@ fn combine_vals(acc: &mut [i64], vals: impl Iterator<Item = i64>, op: u8, first:
 
 /// Writes the accumulators in the wire width: int32 types saturate.
 /// Returns whether any element was saturated.
-pub(super) fn encode_result(acc: &[i64], dtype: u8, out: &mut [u8]) -> bool {
+pub(in crate::agg) fn encode_result(acc: &[i64], dtype: u8, out: &mut [u8]) -> bool {
     if dtype == DT_I64 {
         for (o, a) in out.chunks_exact_mut(8).zip(acc) {
             o.copy_from_slice(&a.to_be_bytes());

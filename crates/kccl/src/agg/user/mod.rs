@@ -51,7 +51,8 @@ use crate::wire::{
     VERSION,
 };
 use acks::AckBatch;
-use combine::{combine, encode_result};
+use combine::combine;
+pub(in crate::agg) use combine::encode_result;
 
 #[derive(Debug, Clone)]
 pub struct UserAggConfig {

@@ -211,7 +211,11 @@ impl AggEngine {
         let mut unresolved = Vec::new();
         for m in &group.members {
             if m.rank == self.cfg.my_rank {
-                self.clear_member(m.rank)?;
+                // This member's own contributions to its shard of a sharded
+                // allreduce come from its own address (BPF_PROG_TEST_RUN);
+                // no answer is ever sent to it (tc_agg_result skips the
+                // own rank), so it needs no next hop.
+                self.set_member(m.rank, m.addr, m.port, None)?;
                 continue;
             }
             let mac = neigh.get(&m.addr).copied();
@@ -287,6 +291,46 @@ impl AggEngine {
         self.records.consume(max, f)
     }
 
+    /// Makes the wait of [`AggEngine::poll_records_max`] also end when `fd`
+    /// (the member's socket) is readable.
+    pub fn watch_fd(&self, fd: std::os::fd::RawFd) -> Result<()> {
+        self.records.watch(fd)
+    }
+
+    /// Whether [`AggEngine::run_xdp_agg`] may share the maps with the
+    /// attached program: BPF_PROG_TEST_RUN runs an XDP program with bottom
+    /// halves disabled only since Linux 6.11 (bpf_test_run's
+    /// local_bh_disable, added with bpf_net_context).  Before, the NAPI
+    /// poll of the same CPU could interrupt the run and reuse xdp_agg's
+    /// per-CPU scratch map under it: wrong sums, silently.
+    pub fn own_runs_supported() -> std::result::Result<(), String> {
+        match kernel_release() {
+            Some(v) if v >= (6, 11) => Ok(()),
+            Some((a, b)) => Err(format!(
+                "kernel {a}.{b} runs BPF_PROG_TEST_RUN with softirqs enabled (6.11 and later disable them), so \
+                 a member's own contribution cannot share xdp_agg's per-CPU state safely"
+            )),
+            None => Err("the kernel release could not be read (uname)".into()),
+        }
+    }
+
+    /// Runs the attached xdp_agg on `frame` (BPF_PROG_TEST_RUN, same maps):
+    /// how a sharded allreduce's owner adds its own contribution to its
+    /// shard, which never crosses its interface.  Returns the verdict and
+    /// the length of the frame the program left in `out` (the answer, when
+    /// it passed one up; `out` must hold the input's length).  A
+    /// multi-buffer frame is built by the kernel from `frame` and never
+    /// shrunk by the program.
+    pub fn run_xdp_agg(&self, frame: &[u8], out: &mut [u8]) -> Result<(u32, usize)> {
+        let o = self
+            .xdp
+            .progs
+            .kccl_xdp_agg
+            .test_run(libbpf_rs::ProgramInput { data_in: Some(frame), data_out: Some(out), ..Default::default() })
+            .map_err(|e| Error::Bpf { step: "running xdp_agg on this member's own contribution".into(), source: e })?;
+        Ok((o.return_value, o.data.map_or(0, |d| d.len())))
+    }
+
     /// Destinations tc_agg_result could not serve since the last call, each
     /// with the answer to send it.
     pub fn drain_misses(&self) -> Vec<AggMiss> {
@@ -351,12 +395,37 @@ fn sweep_request(call_op: u32) -> [u8; 8] {
     b
 }
 
+/// (major, minor) of the running kernel.
+fn kernel_release() -> Option<(u32, u32)> {
+    // SAFETY: utsname is plain bytes; uname fills it.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: u is a valid, writable utsname.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return None;
+    }
+    let rel: Vec<u8> = u.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    parse_release(&String::from_utf8_lossy(&rel))
+}
+
+fn parse_release(r: &str) -> Option<(u32, u32)> {
+    let mut it = r.split(|c: char| !c.is_ascii_digit());
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::record::{DT_I32, DT_I64};
     use super::*;
     use crate::group::MAX_MEMBERS;
     use crate::skel_agg::types::{kccl_agg_record, kccl_agg_slot, kccl_agg_sub};
+
+    #[test]
+    fn kernel_releases_parse() {
+        assert_eq!(parse_release("6.18.15+deb13-amd64"), Some((6, 18)));
+        assert_eq!(parse_release("6.1.0-28-amd64"), Some((6, 1)));
+        assert_eq!(parse_release("7.0"), Some((7, 0)));
+        assert_eq!(parse_release("garbage"), None);
+    }
 
     #[test]
     fn sweep_request_golden_bytes() {

@@ -113,6 +113,25 @@ impl RecordRing {
         }
     }
 
+    /// Makes [`RecordRing::wait`] also return when `fd` is readable: a
+    /// sharded allreduce's owner waits for its own records and for its
+    /// socket's answers at once.  The event carries u64::MAX, no ring's
+    /// index (libbpf's own poll, which would index its rings with it, is
+    /// never called: `wait` is this type's only epoll_wait).
+    pub(super) fn watch(&self, fd: std::os::fd::RawFd) -> Result<()> {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::MAX };
+        // SAFETY: the ring's epoll fd is open while self lives; ev is one
+        // readable event; the kernel checks fd.
+        let rc = unsafe { libc::epoll_ctl(self.ring.epoll_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(Error::io("adding the socket to the agg_records ring buffer's epoll set", e));
+            }
+        }
+        Ok(())
+    }
+
     /// Sleeps until the ring buffer signals data or `timeout` passes (rounded
     /// up to whole milliseconds).  Consumes nothing.
     pub(super) fn wait(&self, timeout: Duration) -> Result<()> {

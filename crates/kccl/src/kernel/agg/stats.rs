@@ -96,4 +96,14 @@ agg_stats! {
     /// Contributions of a call aborted recently (agg_aborted): passed up
     /// untouched, answered with the abort from user space.
     aborted_call,
+    /// Allreduce chunks a remote contribution completed while this host
+    /// also contributes (it owns the chunk's shard): the result goes to
+    /// the ring for the owner's runtime (its copy; the fan-out skips it).
+    own_records,
+    /// ... and the ring was full: the owner's retransmission (through
+    /// BPF_PROG_TEST_RUN) fetches the result from the DONE slot.
+    own_ring_full,
+    /// tc_agg_result: answers whose contributors include this host, which
+    /// got its copy from the ring or the test run, not from the fan-out.
+    own_skipped,
 }
