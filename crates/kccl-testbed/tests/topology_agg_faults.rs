@@ -15,10 +15,12 @@
 //!  |                     br0 (netns kccl-<name>-sw)                             |
 //!  +----------------------------------------------------------------------------+
 //!  reduce phase: ranks 0, 1 contribute, rank 2 is the root (no aggregator).
+//!  sharded phase: no aggregator; ranks 0-3 each own a shard of the chunks
+//!  (combined in their own xdp_agg or user space) and fan its results out.
 //! ```
 //!
 //! Faults are installed on the aggregator's (rank 3's, the reduce root's:
-//! rank 2's) eth0, on a member's (rank 0's) eth0, or 1% loss on every
+//! rank 2's; in a sharded run on rank 3's, an owner) eth0, on a member's (rank 0's) eth0, or 1% loss on every
 //! eth0 of the operation; every randomized run prints its seed.  The
 //! cluster's MTU (KCCL_CLUSTER_MTU, default 9000) sets the chunk size:
 //! `make test` runs the kernel cases at MTU 1500 and 65000 too.  Results must be bit-exact (integers) against a
@@ -47,6 +49,7 @@ use support::root_or_skip;
 const AGG: u16 = 3;
 const ALLREDUCE_JOB: u32 = 31;
 const REDUCE_JOB: u32 = 32;
+const SHARDED_JOB: u32 = 33;
 /// Elements per operation: 100 chunks of 1432 bytes (int32).
 const LEN: usize = 358 * 100;
 
@@ -160,21 +163,43 @@ fn scenarios(seed: u64, agg_rank: u16, all: &[u16]) -> Vec<(String, Vec<u16>, Fa
     v
 }
 
+/// What a fault run exercises.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Mode {
+    /// Allreduce through the dedicated aggregator, rank 3.
+    Aggregator = 0,
+    /// Reduce of ranks 0 and 1 to rank 2.
+    Reduce = 1,
+    /// Allreduce of ranks 0-3 with no aggregator: each owns a shard.
+    Sharded = 2,
+}
+
 /// Runs every scenario on one set of members (Collectives kept across
-/// scenarios); allreduce through rank 3, or reduce to rank 2.
-fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
-    let seed = 0x5eed_0000 + u64::from(reduce) * 7 + if path == PathChoice::User { 1 } else { 0 };
+/// scenarios).
+fn exact_under_faults(prefix: &str, path: PathChoice, mode: Mode) {
+    let reduce = mode == Mode::Reduce;
+    let seed = 0x5eed_0000 + mode as u64 * 7 + if path == PathChoice::User { 1 } else { 0 };
     println!(
         "seed {seed:#x} (path {path:?}, {})",
-        if reduce { "reduce to rank 2, single datagrams" } else { "allreduce via rank 3, UDP GSO sends" }
+        match mode {
+            Mode::Reduce => "reduce to rank 2, single datagrams",
+            Mode::Aggregator => "allreduce via rank 3, UDP GSO sends",
+            Mode::Sharded => "sharded allreduce of ranks 0-3, UDP GSO sends",
+        }
     );
     let topo = Topo::up(prefix);
-    let (group, members, agg_rank): (Group, Vec<u16>, u16) = if reduce {
-        (topo.group(REDUCE_JOB, &[0, 1, 2], None), vec![0, 1, 2], 2)
-    } else {
-        (topo.group(ALLREDUCE_JOB, &[0, 1, 2, AGG], Some(AGG)), vec![0, 1, 2], AGG)
+    // agg_rank: the rank whose link the "aggregator" scenarios fault (a
+    // sharded run's rank 3 owns a shard like every other member).
+    let (group, members, agg_rank): (Group, Vec<u16>, u16) = match mode {
+        Mode::Reduce => (topo.group(REDUCE_JOB, &[0, 1, 2], None), vec![0, 1, 2], 2),
+        Mode::Aggregator => (topo.group(ALLREDUCE_JOB, &[0, 1, 2, AGG], Some(AGG)), vec![0, 1, 2], AGG),
+        Mode::Sharded => (topo.group(SHARDED_JOB, &[0, 1, 2, 3], None), vec![0, 1, 2, 3], 3),
     };
-    let contributors: Vec<u16> = if reduce { vec![0, 1] } else { vec![0, 1, 2] };
+    let contributors: Vec<u16> = match mode {
+        Mode::Reduce => vec![0, 1],
+        Mode::Aggregator => vec![0, 1, 2],
+        Mode::Sharded => vec![0, 1, 2, 3],
+    };
     let mut all = members.clone();
     if !all.contains(&agg_rank) {
         all.push(agg_rank);
@@ -182,7 +207,7 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
     let sc = scenarios(seed, agg_rank, &all);
     let n = sc.len();
     let stop = Arc::new(AtomicBool::new(false));
-    let agg = (!reduce).then(|| serve_aggregator(&topo, &group, path, &stop));
+    let agg = (mode == Mode::Aggregator).then(|| serve_aggregator(&topo, &group, path, &stop));
     let barrier = Arc::new(Barrier::new(members.len() + 1));
     let handles: Vec<_> = members
         .iter()
@@ -211,11 +236,12 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
                         c.allreduce(&mine, AggOp::Sum).map(Some)
                     };
                     got.push(r.map_err(|e| e.to_string()));
-                    if reduce && rank == 2 {
-                        // The root keeps answering retransmissions (an ACK
-                        // lost on its link) until every contributor's
-                        // receipt says it is done: nothing else tells the
-                        // root, and on the user path nobody else answers.
+                    if (reduce && rank == 2) || mode == Mode::Sharded {
+                        // The root (a sharded run: every owner) keeps
+                        // answering retransmissions (an ACK lost on its
+                        // link) until every contributor's receipt says it
+                        // is done: nothing else tells it, and on the user
+                        // path nobody else answers.
                         match c.settle(Duration::from_secs(3)) {
                             Ok(open) if !open.is_empty() => println!("run {k}: no receipt from ranks {open:?}"),
                             Ok(_) => {}
@@ -274,14 +300,14 @@ fn exact_under_faults(prefix: &str, path: PathChoice, reduce: bool) {
 #[test]
 fn allreduce_exact_under_faults_kernel() {
     if root_or_skip("allreduce_exact_under_faults_kernel", "network namespaces and BPF") {
-        exact_under_faults("af-ak", PathChoice::Kernel, false);
+        exact_under_faults("af-ak", PathChoice::Kernel, Mode::Aggregator);
     }
 }
 
 #[test]
 fn allreduce_exact_under_faults_user() {
     if root_or_skip("allreduce_exact_under_faults_user", "network namespaces and BPF") {
-        exact_under_faults("af-au", PathChoice::User, false);
+        exact_under_faults("af-au", PathChoice::User, Mode::Aggregator);
     }
 }
 
@@ -289,14 +315,29 @@ fn allreduce_exact_under_faults_user() {
 #[test]
 fn reduce_exact_under_faults_kernel() {
     if root_or_skip("reduce_exact_under_faults_kernel", "network namespaces and BPF") {
-        exact_under_faults("af-rk", PathChoice::Kernel, true);
+        exact_under_faults("af-rk", PathChoice::Kernel, Mode::Reduce);
+    }
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn sharded_exact_under_faults_kernel() {
+    if root_or_skip("sharded_exact_under_faults_kernel", "network namespaces and BPF") {
+        exact_under_faults("af-sk", PathChoice::Kernel, Mode::Sharded);
+    }
+}
+
+#[test]
+fn sharded_exact_under_faults_user() {
+    if root_or_skip("sharded_exact_under_faults_user", "network namespaces") {
+        exact_under_faults("af-su", PathChoice::User, Mode::Sharded);
     }
 }
 
 #[test]
 fn reduce_exact_under_faults_user() {
     if root_or_skip("reduce_exact_under_faults_user", "network namespaces and BPF") {
-        exact_under_faults("af-ru", PathChoice::User, true);
+        exact_under_faults("af-ru", PathChoice::User, Mode::Reduce);
     }
 }
 
@@ -321,6 +362,26 @@ fn contribution(src_rank: u16, mask: u64, op_id: u32, values: &[i32]) -> Vec<u8>
     let mut b = h.to_bytes().to_vec();
     b.append(&mut p);
     b
+}
+
+/// The call rank 2 died in: rank 2 fails somehow; every other member with
+/// Error::MembersMissing naming rank 2, no earlier than the deadline.
+fn check_dead_call(rank: u16, got: &Result<Vec<i32>, Error>, bad: &mut Vec<String>) {
+    match (rank, got) {
+        (2, Err(_)) => {}
+        (_, Err(Error::MembersMissing { ranks, ms, .. })) => {
+            if ranks != &[2] {
+                bad.push(format!("rank {rank}: missing ranks {ranks:?}, want [2]"));
+            }
+            if *ms < cfg().deadline.as_millis() as u64 {
+                bad.push(format!("rank {rank}: gave up after {ms} ms, before the deadline"));
+            }
+        }
+        (_, other) => bad.push(format!(
+            "rank {rank}: call 1 gave {:?}, want MembersMissing",
+            other.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
+        )),
+    }
 }
 
 /// Rank 2 dies (all its packets vanish) in the middle of an allreduce:
@@ -407,21 +468,7 @@ fn dead_member(prefix: &str, path: PathChoice) {
         if first.as_ref().map(|v| *v != sum_of(&[0, 1, 2], 0)).unwrap_or(true) {
             bad.push(format!("rank {rank}: call 0 wrong: {:?}", brief(&first)));
         }
-        match (rank, &second) {
-            (2, Err(_)) => {}
-            (_, Err(Error::MembersMissing { ranks, ms, .. })) => {
-                if ranks != &[2] {
-                    bad.push(format!("rank {rank}: missing ranks {ranks:?}, want [2]"));
-                }
-                if *ms < cfg().deadline.as_millis() as u64 {
-                    bad.push(format!("rank {rank}: gave up after {ms} ms, before the deadline"));
-                }
-            }
-            (_, other) => bad.push(format!(
-                "rank {rank}: call 1 gave {:?}, want MembersMissing",
-                other.as_ref().map(|v| v.len()).map_err(|e| e.to_string())
-            )),
-        }
+        check_dead_call(rank, &second, &mut bad);
         if rank != 2 && third.as_ref().and_then(|r| r.as_ref().ok()) != Some(&sum_of(&[0, 1], 2)) {
             bad.push(format!("rank {rank}: call 2 without rank 2 wrong: {:?}", third.as_ref().map(brief)));
         }
@@ -467,6 +514,89 @@ fn dead_member_kernel() {
 fn dead_member_user() {
     if root_or_skip("dead_member_user", "network namespaces") {
         dead_member("af-deadu", PathChoice::User);
+    }
+}
+
+/// Rank 2 of a sharded allreduce (ranks 0-3, no aggregator) dies in the
+/// middle of a call: it owned a shard and contributed to every other
+/// shard.  Ranks 0, 1 and 3 fail with Error::MembersMissing naming rank 2
+/// (the owners' PENDING answers say who is missing, and rank 2's own
+/// shard never answers), no earlier than the deadline; after excluding it
+/// they allreduce among themselves, exact.
+fn sharded_dead_member(prefix: &str, path: PathChoice) {
+    let topo = Topo::up(prefix);
+    let group = topo.group(SHARDED_JOB, &[0, 1, 2, 3], None);
+    let big: i32 = 358 * 10_000; // 10000 chunks: still running when rank 2 dies
+    let barrier = Arc::new(Barrier::new(5));
+    let handles: Vec<_> = [0u16, 1, 2, 3]
+        .into_iter()
+        .map(|rank| {
+            let (g, b) = (group.clone(), Arc::clone(&barrier));
+            on_host(topo.ns(rank), move || {
+                let mut c = Collective::new(&g, rank, path, cfg()).expect("collective");
+                let first = c.allreduce(&data(rank, 0), AggOp::Sum).map_err(|e| e.to_string());
+                b.wait();
+                let mine: Vec<i32> = (0..big).map(|i| i % 1000 - i32::from(rank)).collect();
+                let t = Instant::now();
+                let second = c.allreduce(&mine, AggOp::Sum);
+                let took = t.elapsed();
+                b.wait();
+                let third = if rank == 2 {
+                    None
+                } else {
+                    c.exclude_ranks(&[2]).expect("exclude");
+                    let r = c.allreduce(&data(rank, 2), AggOp::Sum).map_err(|e| e.to_string());
+                    // Owners answer late retransmissions until all confirmed.
+                    let open = c.settle(Duration::from_secs(3)).map_err(|e| e.to_string());
+                    Some((r, open))
+                };
+                (rank, first, second, took, third)
+            })
+        })
+        .collect();
+    barrier.wait();
+    std::thread::sleep(Duration::from_millis(5));
+    // Rank 2 dies: everything it sends from now on is lost.
+    topo.fault(2, &FaultConfig::from_fractions(1.0, 0.0, 0.0, 1).expect("fault"));
+    barrier.wait();
+    let mut bad = Vec::new();
+    for h in handles {
+        let (rank, first, second, took, third) = h.join().expect("member");
+        let brief = |r: &Result<Vec<i32>, String>| r.as_ref().map(|v| v.len()).map_err(Clone::clone);
+        println!(
+            "rank {rank}: call 0 {:?}; call 1 after {took:?}: {:?}; call 2 {:?}",
+            brief(&first),
+            second.as_ref().map(|v| v.len()).map_err(|e| e.to_string()),
+            third.as_ref().map(|(r, open)| (brief(r), open))
+        );
+        if first.as_ref().map(|v| *v != sum_of(&[0, 1, 2, 3], 0)).unwrap_or(true) {
+            bad.push(format!("rank {rank}: call 0 wrong: {:?}", brief(&first)));
+        }
+        check_dead_call(rank, &second, &mut bad);
+        if let Some((r, open)) = &third {
+            if r.as_ref().ok() != Some(&sum_of(&[0, 1, 3], 2)) {
+                bad.push(format!("rank {rank}: call 2 without rank 2 wrong: {:?}", brief(r)));
+            }
+            if !matches!(open, Ok(o) if o.is_empty()) {
+                bad.push(format!("rank {rank}: call 2 not settled: {open:?}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[cfg(feature = "kernel-agg")]
+#[test]
+fn sharded_dead_member_kernel() {
+    if root_or_skip("sharded_dead_member_kernel", "network namespaces and BPF") {
+        sharded_dead_member("af-sdead", PathChoice::Kernel);
+    }
+}
+
+#[test]
+fn sharded_dead_member_user() {
+    if root_or_skip("sharded_dead_member_user", "network namespaces") {
+        sharded_dead_member("af-sdeadu", PathChoice::User);
     }
 }
 

@@ -261,6 +261,9 @@ pub struct Contributor<'e> {
     srtt: Option<Duration>,
     rttvar: Duration,
     last_progress: Instant,
+    /// The last valid answer of any kind, PENDING included: an owner that
+    /// still answers is alive, whatever it waits for.
+    last_heard: Instant,
     /// The last timeout event (see send_due).
     last_timeout: Instant,
     /// Expired chunks the last timeout event could resend (TIMEOUT_BURST,
@@ -310,6 +313,7 @@ impl<'e> Contributor<'e> {
             srtt: None,
             rttvar: Duration::ZERO,
             last_progress: now,
+            last_heard: now,
             last_timeout: now,
             burst: TIMEOUT_BURST,
             probe_answered: false,
@@ -510,6 +514,7 @@ impl<'e> Contributor<'e> {
             b.copy_from_slice(payload);
             let m = u64::from_be_bytes(b) & s.mask;
             self.missing = Some(self.missing.map_or(m, |x| x & m));
+            self.last_heard = now;
             self.stats.pending += 1;
             return Verdict::Pending;
         }
@@ -612,6 +617,7 @@ impl<'e> Contributor<'e> {
         }
         self.hi_end = self.hi_end.max(c + 1);
         self.last_progress = now;
+        self.last_heard = now;
         self.cur_rto = self.t.rto;
         self.missing = None;
         self.cwnd.on_answer(self.t.window);
@@ -731,21 +737,40 @@ impl<'e> Contributor<'e> {
         if since < self.t.deadline {
             return Ok(());
         }
-        let me = 1u64.checked_shl(u32::from(self.spec.my_rank.wrapping_sub(self.spec.mask_base))).unwrap_or(0);
-        match self.missing.map(|m| m & !me) {
-            Some(m) if m != 0 => Err(Error::MembersMissing {
-                what: format!(
-                    "{} ({} of {} chunks unanswered by aggregator rank {})",
-                    self.spec.what,
-                    self.nchunks - self.nacked,
-                    self.nchunks,
-                    self.spec.agg_rank
-                ),
-                ranks: (0..64).filter(|b| m >> b & 1 != 0).map(|b| self.spec.mask_base + b).collect(),
-                ms: since.as_millis() as u64,
-            }),
-            _ => Err(self.timeout_error(since)),
+        // PENDING answers name who the aggregator waits for, as long as it
+        // still answers: silent, it is the one missing.
+        let ranks = if self.silent(now) { Vec::new() } else { self.missing_ranks() };
+        if ranks.is_empty() {
+            return Err(self.timeout_error(since));
         }
+        Err(Error::MembersMissing {
+            what: format!(
+                "{} ({} of {} chunks unanswered by aggregator rank {})",
+                self.spec.what,
+                self.nchunks - self.nacked,
+                self.nchunks,
+                self.spec.agg_rank
+            ),
+            ranks,
+            ms: since.as_millis() as u64,
+        })
+    }
+
+    /// The aggregator answered nothing, not even PENDING, for half the
+    /// deadline (at least 32 rto, twice the longest backed-off probe
+    /// interval: a live aggregator answers every probe; at most the
+    /// deadline).
+    fn silent(&self, now: Instant) -> bool {
+        let quiet = (self.t.deadline / 2).max(self.t.rto.saturating_mul(32)).min(self.t.deadline);
+        now.saturating_duration_since(self.last_heard) >= quiet
+    }
+
+    /// Ranks the PENDING answers since the last progress named as missing,
+    /// this member left out.
+    fn missing_ranks(&self) -> Vec<u16> {
+        let me = 1u64.checked_shl(u32::from(self.spec.my_rank.wrapping_sub(self.spec.mask_base))).unwrap_or(0);
+        let m = self.missing.unwrap_or(0) & !me;
+        (0..64).filter(|b| m >> b & 1 != 0).map(|b| self.spec.mask_base + b).collect()
     }
 
     fn timeout_error(&self, since: Duration) -> Error {
@@ -774,6 +799,53 @@ impl<'e> Contributor<'e> {
             ),
         }
     }
+}
+
+/// The deadline of a call that contributes to several owners at once (a
+/// sharded allreduce: every member owns a shard).  A dead member is then
+/// both a contributor the live owners wait for (their PENDING answers name
+/// it) and an owner that answers nothing; whichever owner's timer fires
+/// first, the call fails with Error::MembersMissing naming both kinds, so
+/// that the application can exclude them and go on.  An owner is silent
+/// once it answered nothing, not even PENDING, for half the deadline
+/// (`Contributor::silent`); what a silent owner's PENDING answers said
+/// before is not evidence (it said it before it died).  Error::Aborted, or
+/// a call with a single owner, as [`Contributor::check_deadline`].
+pub fn check_deadlines(cs: &[Contributor<'_>], now: Instant) -> Result<()> {
+    let live: Vec<&Contributor<'_>> = cs.iter().filter(|c| !c.done()).collect();
+    let Err(first) = live.iter().try_for_each(|c| c.check_deadline(now)) else {
+        return Ok(());
+    };
+    if cs.len() < 2 || matches!(first, Error::Aborted { .. }) {
+        return Err(first);
+    }
+    let is_silent = |c: &Contributor<'_>| c.spec.agg_rank != c.spec.my_rank && c.silent(now);
+    let (silent, heard): (Vec<&Contributor<'_>>, Vec<&Contributor<'_>>) = live.iter().partition(|c| is_silent(c));
+    let mut waited_for: Vec<u16> = heard.iter().flat_map(|c| c.missing_ranks()).collect();
+    waited_for.sort_unstable();
+    waited_for.dedup();
+    let silent: Vec<u16> = silent.iter().map(|c| c.spec.agg_rank).collect();
+    let mut ranks: Vec<u16> = waited_for.iter().chain(&silent).copied().collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    if ranks.is_empty() {
+        return Err(first);
+    }
+    let unanswered: usize = live.iter().map(|c| c.nchunks - c.nacked).sum();
+    let total: usize = cs.iter().map(|c| c.nchunks).sum();
+    let ms = live.iter().map(|c| now.saturating_duration_since(c.last_progress)).max().unwrap_or_default();
+    let mut why = Vec::new();
+    if !waited_for.is_empty() {
+        why.push(format!("the owners' PENDING answers wait for ranks {waited_for:?}"));
+    }
+    if !silent.is_empty() {
+        why.push(format!("owners {silent:?} answered nothing"));
+    }
+    Err(Error::MembersMissing {
+        what: format!("{} ({unanswered} of {total} chunks unanswered; {})", live[0].spec.what, why.join(", ")),
+        ranks,
+        ms: ms.as_millis() as u64,
+    })
 }
 
 #[cfg(test)]

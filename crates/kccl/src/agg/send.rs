@@ -14,7 +14,7 @@ use super::backend::OwnXdp;
 use super::codec::{Dst, Enc, Src};
 use super::config::SendReport;
 use super::dispatch::{pump, Decode};
-use super::member::{ContribStats, Contributor, Cwnd, Spec};
+use super::member::{check_deadlines, ContribStats, Contributor, Cwnd, Spec};
 use super::op::{AggOp, Element, Quant};
 use super::root::RootSink;
 use super::{check_len, quant, Collective, Contributors};
@@ -243,7 +243,7 @@ impl Collective {
                 break Ok(());
             }
             let now = Instant::now();
-            if let Err(e) = cs.iter().filter(|c| !c.done()).try_for_each(|c| c.check_deadline(now)) {
+            if let Err(e) = check_deadlines(&cs, now) {
                 break Err(e);
             }
         };
