@@ -812,13 +812,15 @@ impl<'e> Contributor<'e> {
 /// before is not evidence (it said it before it died).  Error::Aborted, or
 /// a call with a single owner, as [`Contributor::check_deadline`].
 pub fn check_deadlines(cs: &[Contributor<'_>], now: Instant) -> Result<()> {
-    let live: Vec<&Contributor<'_>> = cs.iter().filter(|c| !c.done()).collect();
-    let Err(first) = live.iter().try_for_each(|c| c.check_deadline(now)) else {
+    // Runs on every pass of the send loop: nothing allocated until a
+    // deadline passed.
+    let Err(first) = cs.iter().filter(|c| !c.done()).try_for_each(|c| c.check_deadline(now)) else {
         return Ok(());
     };
     if cs.len() < 2 || matches!(first, Error::Aborted { .. }) {
         return Err(first);
     }
+    let live: Vec<&Contributor<'_>> = cs.iter().filter(|c| !c.done()).collect();
     let is_silent = |c: &Contributor<'_>| c.spec.agg_rank != c.spec.my_rank && c.silent(now);
     let (silent, heard): (Vec<&Contributor<'_>>, Vec<&Contributor<'_>>) = live.iter().partition(|c| is_silent(c));
     let mut waited_for: Vec<u16> = heard.iter().flat_map(|c| c.missing_ranks()).collect();
