@@ -20,6 +20,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::bench::percentile;
+use crate::bench::wire::{self, HostWire, WireBytes};
 use crate::cluster::{ClusterGuard, ClusterSpec};
 use crate::error::{Error, Result};
 use kccl::agg::{quant, AggConfig, AggOp, Aggregator, AllreduceMode, Collective, Element};
@@ -75,6 +76,9 @@ pub struct AggRecord {
     /// Loss recovery during the timed operations (where time goes that the
     /// wire does not explain).
     pub recovery: Recovery,
+    /// Bytes on each host's link per timed operation, host 0 first, next
+    /// to the byte model (empty without timed operations).
+    pub wire: Vec<HostWire>,
 }
 
 /// Loss-recovery counters per timed operation: the senders' (summed over
@@ -466,6 +470,7 @@ impl AggHarness {
                 print_agg_row(&r);
                 if self.show_recovery {
                     print_recovery_row(&r.recovery);
+                    print_wire_row(&r.wire);
                 }
                 out.push(r);
             }
@@ -520,6 +525,12 @@ impl AggHarness {
         let path_used: Mutex<Option<Path>> = Mutex::new(None);
         let service_cpu: Mutex<Duration> = Mutex::new(Duration::ZERO);
         let snapshots: Mutex<Vec<(Counters, Counters)>> = Mutex::new(Vec::new());
+        // Every host's byte counters (host 0 first), read by the first
+        // contributor between barriers, when no operation runs, before the
+        // first and after the last timed one; and the chunk size for the model.
+        let hosts: Vec<u16> = std::iter::once(agg_rank).chain(senders_ranks.iter().copied()).collect();
+        let wire_snaps: Mutex<Vec<Vec<WireBytes>>> = Mutex::new(Vec::new());
+        let chunk_used = std::sync::atomic::AtomicUsize::new(0);
         // Calls the other ranks finished: a reduce root keeps answering
         // retransmissions (an ACK lost in the fan-out) until every one of
         // an iteration returned, before it waits at the barrier (on the user
@@ -569,14 +580,26 @@ impl AggHarness {
             for &rank in &runners {
                 let (sub, barrier, times, work_times, path_used, contributors, finished, snapshots) =
                     (&sub, &barrier, &times, &work_times, &path_used, &contributors, &finished, &snapshots);
+                let (hosts, wire_snaps, chunk_used) = (&hosts, &wire_snaps, &chunk_used);
+                // Between two barriers: every rank finished the operation
+                // before and none started the next.
+                let read_wire = move || -> Result<()> {
+                    barrier.wait()?;
+                    if rank == contributors[0] {
+                        let w = wire::read_hosts(sub, hosts)?;
+                        wire_snaps.lock().map_err(|_| poisoned())?.push(w);
+                    }
+                    Ok(())
+                };
                 handles.push(s.spawn(move || -> Result<()> {
                     guarded(barrier, || {
                         enter_host(sub, rank)?;
                         let mut c = Collective::new(sub, rank, choice, cfg.clone())?;
+                        let chunk = c.chunk_bytes();
                         if rank == contributors[0] {
                             *path_used.lock().map_err(|_| poisoned())? = Some(c.path());
+                            chunk_used.store(chunk, Ordering::Relaxed);
                         }
-                        let chunk = c.chunk_bytes();
                         let data = T::data(rank, elems);
                         // The result buffer, reused from call to call
                         // (reduce_into, allreduce_into), as Gloo writes into
@@ -586,6 +609,7 @@ impl AggHarness {
                         for it in 0..=iters {
                             if it == 1 {
                                 before = Counters::take(&c)?;
+                                read_wire()?;
                             }
                             barrier.wait()?;
                             let c0 = thread_cpu_time();
@@ -640,6 +664,7 @@ impl AggHarness {
                         }
                         if iters > 0 {
                             snapshots.lock().map_err(|_| poisoned())?.push((before, Counters::take(&c)?));
+                            read_wire()?;
                         }
                         Ok(())
                     })
@@ -708,6 +733,14 @@ impl AggHarness {
                 (!w.is_empty()).then(|| percentile(&w, 50.0))
             },
             recovery: Recovery::from_snapshots(&snapshots.into_inner().map_err(|_| poisoned())?, iters),
+            wire: match wire_snaps.into_inner().map_err(|_| poisoned())?.as_slice() {
+                [b, a] => {
+                    let mode = if sharded { AllreduceMode::Sharded } else { AllreduceMode::Aggregator };
+                    let m = wire::model(kind, mode, senders, elems * 4, chunk_used.into_inner());
+                    wire::per_op(&hosts, b, a, iters, &m)
+                }
+                _ => Vec::new(),
+            },
         })
     }
 }
@@ -759,6 +792,28 @@ pub fn print_agg_row(r: &AggRecord) {
         r.aggregator_cpu_ms,
         r.sender_cpu_ms
     );
+}
+
+/// One line of every host's bytes per operation against the byte model.
+pub fn print_wire_row(w: &[HostWire]) {
+    if w.is_empty() {
+        return;
+    }
+    let mb = |b: f64| b / 1e6;
+    let hosts: Vec<String> = w
+        .iter()
+        .map(|h| {
+            let vs = |got: f64, model: f64| {
+                if model > 0.0 {
+                    format!("{:.1} ({:+.1}%)", mb(got), (got / model - 1.0) * 100.0)
+                } else {
+                    format!("{:.2}", mb(got))
+                }
+            };
+            format!("{}: rx {} tx {}", h.rank, vs(h.rx_per_op, h.model_rx), vs(h.tx_per_op, h.model_tx))
+        })
+        .collect();
+    crate::outln!("            MB per op on each host's link (vs byte model): {}", hosts.join(" | "));
 }
 
 /// Prints a row's loss-recovery counters (per timed operation).

@@ -7,6 +7,7 @@ pub mod agg;
 pub mod bcast;
 pub mod cpu;
 pub mod loss;
+pub mod wire;
 
 use std::time::Duration;
 

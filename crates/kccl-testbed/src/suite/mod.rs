@@ -30,7 +30,7 @@ use crate::cluster;
 use crate::error::{Error, Result};
 use crate::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
 use crate::progress::Progress;
-use kccl::agg::{AggConfig, AggOp};
+use kccl::agg::{AggConfig, AggOp, AllreduceMode};
 use kccl::bcast::{Path, PathChoice};
 
 mod agg;
@@ -453,11 +453,23 @@ impl Acc {
 
 const SYS_KERNEL: &str = "kccl-kernel";
 const SYS_USER: &str = "kccl-user";
+/// The sharded allreduce (every worker combines a shard; param-server).
+const SYS_KERNEL_SHARDED: &str = "kccl-kernel-sharded";
+const SYS_USER_SHARDED: &str = "kccl-user-sharded";
 
 fn sys_of(p: Path) -> &'static str {
     match p {
         Path::Kernel => SYS_KERNEL,
         Path::User => SYS_USER,
+    }
+}
+
+/// The system name of an allreduce row: its path and whether it was sharded.
+fn sys_of_mode(p: Path, sharded: bool) -> &'static str {
+    match (p, sharded) {
+        (_, false) => sys_of(p),
+        (Path::Kernel, true) => SYS_KERNEL_SHARDED,
+        (Path::User, true) => SYS_USER_SHARDED,
     }
 }
 
@@ -845,7 +857,7 @@ mod tests {
     #[test]
     fn targets_say_not_measured_without_rows() {
         let t = targets(&[]);
-        assert_eq!(t.len(), 3);
+        assert_eq!(t.len(), 4);
         assert!(t.iter().all(|l| l.contains("not measured")), "{t:?}");
     }
 }

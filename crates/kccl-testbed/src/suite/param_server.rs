@@ -53,8 +53,8 @@ pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgres
     res.notes.push(format!(
         "allreduce (sum) of one float32 gradient per worker (element i of worker r = ((i * 2654435761 + r * 40503) mod 2001 - 1000) \
          / 1e5) through kccl's float32 allreduce: quantized at the edge with the automatic per-chunk scale (docs/AGGREGATION.md), \
-         quantization, the exponent pre-pass and dequantization inside the timed call; kccl: host 0 is the aggregator service and \
-         workers are hosts 1..=W, the peers run W ranks on hosts 0..W-1, float32 too; before timing, each path's checked \
+         quantization, the exponent pre-pass and dequantization inside the timed call; kccl: workers are hosts 1..=W, host 0 is the \
+         aggregator service (kccl-kernel, kccl-user) or idles while every worker combines 1/W of the chunks (kccl-*-sharded), the peers run W ranks on hosts 0..W-1, float32 too; before timing, each path's checked \
          allreduce is compared on every worker with the f64 sum within the documented quantization bound; 1 checked + {iters} \
          timed operations per path; peers: {ps_runs} run(s) of 1 warm-up + up to 3 timed{}",
         if scale > 1 { format!("; SMOKE: every model scaled down {scale}x") } else { String::new() }
@@ -103,24 +103,29 @@ pub(super) fn param_server(spec: &SuiteSpec, env: &Env, prog: &ExperimentProgres
         for (m, bytes) in models {
             let point = format!("{m} workers={w}");
             prog.point(&point);
-            prog.say(format!("{point}: float32 allreduce of {bytes} B, both paths, {iters} timed each"));
-            match c.h.measure_with::<f32>(
-                Kind::Allreduce,
-                AggOp::Sum,
-                w,
-                &[PathChoice::Kernel, PathChoice::User],
-                &[bytes],
-                iters,
-                &agg_cfg(),
-                None,
-            ) {
-                Ok(rows) => {
-                    for r in rows {
-                        acc.add(m, w as f64, &point, sys_of(r.path), agg_sample(&r));
-                        res.raw(&point, &r);
+            // Both allreduce modes (issue 33): the aggregator service on
+            // host 0, and sharded (every worker combines 1/W, host 0 idles).
+            for mode in [AllreduceMode::Aggregator, AllreduceMode::Sharded] {
+                let sharded = mode == AllreduceMode::Sharded;
+                prog.say(format!("{point}: float32 allreduce of {bytes} B, {mode}, both paths, {iters} timed each"));
+                match c.h.measure_with::<f32>(
+                    Kind::Allreduce,
+                    AggOp::Sum,
+                    w,
+                    &[PathChoice::Kernel, PathChoice::User],
+                    &[bytes],
+                    iters,
+                    &AggConfig { allreduce: mode, ..agg_cfg() },
+                    None,
+                ) {
+                    Ok(rows) => {
+                        for r in rows {
+                            acc.add(m, w as f64, &point, sys_of_mode(r.path, sharded), agg_sample(&r));
+                            res.raw(&point, &r);
+                        }
                     }
+                    Err(err) => res.errors.push(format!("{point}: kccl {mode} allreduce: {err}")),
                 }
-                Err(err) => res.errors.push(format!("{point}: kccl allreduce: {err}")),
             }
             let pp = PeerPoint {
                 op: PeerOp::Allreduce,

@@ -42,15 +42,23 @@ pub(super) struct Shard {
 /// owner left without a chunk (fewer chunks than owners) gets no shard.
 pub(super) fn split(n: usize, epc: usize, owners: &[(u16, SocketAddrV4)]) -> Vec<Shard> {
     let chunks = n.div_ceil(epc.max(1));
-    let k = owners.len().max(1);
     owners
         .iter()
         .enumerate()
         .filter_map(|(i, &(owner, addr))| {
-            let (a, b) = (i * chunks / k, (i + 1) * chunks / k);
-            (a < b).then(|| Shard { owner, addr, elems: a * epc..(b * epc).min(n) })
+            let c = shard_chunks(chunks, owners.len(), i);
+            (!c.is_empty()).then(|| Shard { owner, addr, elems: c.start * epc..(c.end * epc).min(n) })
         })
         .collect()
+}
+
+/// The chunk numbers the `i`-th of `owners` owners combines in a sharded
+/// allreduce of `chunks` chunks (whole chunks, as even as they allow; empty
+/// when there are fewer chunks than owners).  Public for the benchmarks'
+/// per-host byte model.
+pub fn shard_chunks(chunks: usize, owners: usize, i: usize) -> Range<usize> {
+    let k = owners.max(1);
+    i * chunks / k..(i + 1) * chunks / k
 }
 
 /// The chunks `shard` covers, as a range of chunk numbers of the vector

@@ -58,6 +58,7 @@ use crate::wire::{HDR_LEN, MASK_BITS};
 
 pub use crate::bcast::{Path, PathChoice};
 pub use aggregator::Aggregator;
+pub use allreduce::shard_chunks;
 pub use config::{AggConfig, AllreduceMode, CollectiveStats, OwnShardStats, SendReport};
 pub use op::{AggOp, DType, Element, Quant};
 
