@@ -50,6 +50,9 @@
 //!   operation, 2,561 of them duplicates at the owners: chunks waiting for
 //!   a slower member expired, and every answered one doubled the next
 //!   burst), so a held chunk expires only HOLD_RTOS x rto after its PENDING
+//!   (never later than the most backed-off timeout, MAX_BACKOFF x the
+//!   configured rto: a live owner must be heard often enough that it is
+//!   not taken for a silent one, `silent`)
 //!   (a lost RESULT, or a slot the aggregator reclaimed) and its answer is
 //!   no evidence of loss for the probe rule above.
 //!
@@ -223,10 +226,16 @@ const GAP_THRESHOLD: usize = 3;
 const TIMEOUT_BURST: u64 = 4;
 
 /// A held chunk (answered PENDING) expires this many rto after the PENDING:
-/// its answer waits for other members, not for the network.  At the most
-/// backed-off rto (16 x 25 ms) that is 1.6 s, inside the aggregators' slot
-/// timeout (2 s), so the probe still finds the slot it filled.
+/// its answer waits for other members, not for the network.  Capped at
+/// MAX_BACKOFF x the configured rto (400 ms by default): the owner's
+/// answers to these probes are what tells a live owner from a silent one
+/// (`silent`: nothing heard for half the deadline), and the probe must find the slot
+/// it filled before the aggregator's slot timeout (2 s) reclaims it.
 const HOLD_RTOS: u32 = 4;
+
+/// The retransmission timeout backs off to at most this many times the
+/// configured one.
+const MAX_BACKOFF: u32 = 16;
 
 /// Smallest congestion window after a cut: GAP_THRESHOLD answers beyond a
 /// lost chunk must fit in it for the loss to be seen without a timeout.
@@ -428,7 +437,7 @@ impl<'e> Contributor<'e> {
             self.probe_answered = false;
         }
         if stalled {
-            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(16));
+            self.cur_rto = self.cur_rto.saturating_mul(2).min(self.t.rto.saturating_mul(MAX_BACKOFF));
         }
         if stalled || fast >= (self.cwnd.chunks() as u64 / 4).max(4) {
             self.cwnd.on_stall(self.t.window);
@@ -692,10 +701,11 @@ impl<'e> Contributor<'e> {
     }
 
     /// How long after its last send (or its PENDING) an unanswered chunk
-    /// expires: `rto`, or HOLD_RTOS x `rto` when it is held.
+    /// expires: `rto`, or HOLD_RTOS x `rto` when it is held, at most the
+    /// longest backed-off timeout (module comment).
     fn expiry(&self, c: usize, rto: Duration) -> Duration {
         if self.held[c % self.t.window] {
-            rto.saturating_mul(HOLD_RTOS)
+            rto.saturating_mul(HOLD_RTOS).min(self.t.rto.saturating_mul(MAX_BACKOFF).max(rto))
         } else {
             rto
         }
@@ -798,7 +808,7 @@ impl<'e> Contributor<'e> {
     /// interval: a live aggregator answers every probe; at most the
     /// deadline).
     fn silent(&self, now: Instant) -> bool {
-        let quiet = (self.t.deadline / 2).max(self.t.rto.saturating_mul(32)).min(self.t.deadline);
+        let quiet = (self.t.deadline / 2).max(self.t.rto.saturating_mul(2 * MAX_BACKOFF)).min(self.t.deadline);
         now.saturating_duration_since(self.last_heard) >= quiet
     }
 
