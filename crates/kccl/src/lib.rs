@@ -23,6 +23,7 @@ pub mod group;
 pub mod kernel;
 pub use kernel::agg as kernel_agg;
 pub mod netns;
+mod simd;
 pub mod sock;
 pub mod wire;
 

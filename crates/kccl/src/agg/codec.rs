@@ -11,6 +11,7 @@
 //! - f32 COUNT → I32: 1 for a non-zero element, else 0.
 
 use crate::agg::quant;
+use crate::simd::avx2;
 use crate::wire::{DT_F32Q, DT_I32, DT_I64, OP_AVG, OP_COUNT, OP_MAX, OP_MIN, OP_SUM};
 
 /// A member's data, by element type.
@@ -131,53 +132,58 @@ impl Enc<'_> {
     }
 
     /// Writes message elements `[first, first + dst.len() / elem_size)` as
-    /// big-endian wire bytes.
+    /// big-endian wire bytes (in an AVX2 copy where the CPU has it).
     pub fn encode(&self, first: usize, dst: &mut [u8]) {
-        let n = dst.len() / self.elem_size();
-        match *self {
-            Enc::I32(d) => {
-                for (o, v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
-                    o.copy_from_slice(&v.to_be_bytes());
+        avx2(
+            #[inline(always)]
+            || {
+                let n = dst.len() / self.elem_size();
+                match *self {
+                    Enc::I32(d) => {
+                        for (o, v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
+                            o.copy_from_slice(&v.to_be_bytes());
+                        }
+                    }
+                    Enc::I64(d) => {
+                        for (o, v) in dst.chunks_exact_mut(8).zip(&d[first..first + n]) {
+                            o.copy_from_slice(&v.to_be_bytes());
+                        }
+                    }
+                    Enc::F32Ord(d) => {
+                        for (o, &v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
+                            o.copy_from_slice(&f32_ordered(v).to_be_bytes());
+                        }
+                    }
+                    Enc::F32NonZero(d) => {
+                        for (o, &v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
+                            o.copy_from_slice(&i32::from(v != 0.0).to_be_bytes());
+                        }
+                    }
+                    Enc::F32Q { data, scales, block, prefix } => {
+                        let mut m = first;
+                        let end = first + n;
+                        let mut out = &mut dst[..];
+                        // Prefix elements, then data split at block boundaries so
+                        // every run has one scale.
+                        while m < end && m < prefix.len() {
+                            out[..4].copy_from_slice(&prefix[m].to_be_bytes());
+                            out = &mut out[4..];
+                            m += 1;
+                        }
+                        while m < end {
+                            let i = m - prefix.len();
+                            let b = i / block;
+                            let run_end = ((b + 1) * block).min(end - prefix.len());
+                            let run = &data[i..run_end];
+                            let (head, rest) = out.split_at_mut(run.len() * 4);
+                            quant::quantize_auto_be(run, scales[b], head);
+                            out = rest;
+                            m += run.len();
+                        }
+                    }
                 }
-            }
-            Enc::I64(d) => {
-                for (o, v) in dst.chunks_exact_mut(8).zip(&d[first..first + n]) {
-                    o.copy_from_slice(&v.to_be_bytes());
-                }
-            }
-            Enc::F32Ord(d) => {
-                for (o, &v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
-                    o.copy_from_slice(&f32_ordered(v).to_be_bytes());
-                }
-            }
-            Enc::F32NonZero(d) => {
-                for (o, &v) in dst.chunks_exact_mut(4).zip(&d[first..first + n]) {
-                    o.copy_from_slice(&i32::from(v != 0.0).to_be_bytes());
-                }
-            }
-            Enc::F32Q { data, scales, block, prefix } => {
-                let mut m = first;
-                let end = first + n;
-                let mut out = &mut dst[..];
-                // Prefix elements, then data split at block boundaries so
-                // every run has one scale.
-                while m < end && m < prefix.len() {
-                    out[..4].copy_from_slice(&prefix[m].to_be_bytes());
-                    out = &mut out[4..];
-                    m += 1;
-                }
-                while m < end {
-                    let i = m - prefix.len();
-                    let b = i / block;
-                    let run_end = ((b + 1) * block).min(end - prefix.len());
-                    let run = &data[i..run_end];
-                    let (head, rest) = out.split_at_mut(run.len() * 4);
-                    quant::quantize_auto_be(run, scales[b], head);
-                    out = rest;
-                    m += run.len();
-                }
-            }
-        }
+            },
+        )
     }
 }
 
@@ -321,7 +327,8 @@ impl Finish<'_> {
     /// big-endian elements of `dtype`), as an allreduce member finishes a
     /// RESULT chunk.  The common cases (int32 results of any op but AVG,
     /// quantized float32 SUM/AVG) go from the wire bytes into the output in
-    /// one pass; the others are read into `scratch` as int64 first.
+    /// one pass (in an AVX2 copy where the CPU has it); the others are read
+    /// into `scratch` as int64 first.
     pub fn apply_wire(
         &self,
         payload: &[u8],
@@ -330,34 +337,59 @@ impl Finish<'_> {
         dst: &mut Dst<'_>,
         scratch: &mut Vec<i64>,
     ) -> Result<(), OutOfRange> {
-        let n = payload.len() / 4;
-        let wire = |k: usize, end: usize| {
-            payload[k * 4..end * 4].chunks_exact(4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-        };
-        match (&self.enc, &mut *dst) {
-            (FinEnc::Int, Dst::I32(out)) if dtype != DT_I64 && self.agg_op != OP_AVG => {
-                for (o, v) in out[first..first + n].iter_mut().zip(wire(0, n)) {
-                    *o = v;
-                }
-                Ok(())
-            }
-            (&FinEnc::F32Q { scales, block }, Dst::F32(out)) if matches!(self.agg_op, OP_SUM | OP_AVG) => {
-                let div = if self.agg_op == OP_AVG { self.count.max(1) as f64 } else { 1.0 };
-                let out = &mut out[first..first + n];
-                for (k, end, b) in scale_runs(first, n, block) {
-                    let d = scales[b] * div;
-                    for (o, v) in out[k..end].iter_mut().zip(wire(k, end)) {
-                        *o = (f64::from(v) / d) as f32;
+        avx2(
+            #[inline(always)]
+            || {
+                let n = payload.len() / 4;
+                let wire = |k: usize, end: usize| {
+                    payload[k * 4..end * 4].chunks_exact(4).map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                };
+                match (&self.enc, &mut *dst) {
+                    (FinEnc::Int, Dst::I32(out)) if dtype != DT_I64 && self.agg_op != OP_AVG => {
+                        for (o, v) in out[first..first + n].iter_mut().zip(wire(0, n)) {
+                            *o = v;
+                        }
+                        Ok(())
+                    }
+                    (&FinEnc::F32Q { scales, block }, Dst::F32(out)) if matches!(self.agg_op, OP_SUM | OP_AVG) => {
+                        let div = if self.agg_op == OP_AVG { self.count.max(1) as f64 } else { 1.0 };
+                        let out = &mut out[first..first + n];
+                        for (k, end, b) in scale_runs(first, n, block) {
+                            let d = scales[b] * div;
+                            match exact_reciprocal(d) {
+                                // Every automatic scale of a SUM: multiplying is
+                                // several times cheaper than dividing, same result.
+                                Some(r) => {
+                                    for (o, v) in out[k..end].iter_mut().zip(wire(k, end)) {
+                                        *o = (f64::from(v) * r) as f32;
+                                    }
+                                }
+                                None => {
+                                    for (o, v) in out[k..end].iter_mut().zip(wire(k, end)) {
+                                        *o = (f64::from(v) / d) as f32;
+                                    }
+                                }
+                            }
+                        }
+                        Ok(())
+                    }
+                    _ => {
+                        read_wire(payload, dtype, scratch);
+                        self.apply(scratch, first, None, dst)
                     }
                 }
-                Ok(())
-            }
-            _ => {
-                read_wire(payload, dtype, scratch);
-                self.apply(scratch, first, None, dst)
-            }
-        }
+            },
+        )
     }
+}
+
+/// `1 / d` when it is exact (`d` a normal power of two whose reciprocal is
+/// normal too): then `v * (1 / d) == v / d` for every `v`.
+#[inline]
+fn exact_reciprocal(d: f64) -> Option<f64> {
+    let r = 1.0 / d;
+    let mantissa = (1u64 << 52) - 1;
+    (d.is_normal() && r.is_normal() && d.to_bits() & mantissa == 0).then_some(r)
 }
 
 /// The runs of one scale among elements `[first, first + n)` with a scale
@@ -491,6 +523,17 @@ mod tests {
 
     /// apply_wire's one-pass cases give exactly what reading the wire into
     /// int64 and apply give, and the other cases go through that path.
+    #[test]
+    fn reciprocals_are_exact_only_for_powers_of_two() {
+        for k in [-1022, -1000, -104, -1, 0, 1, 29, 184, 1022] {
+            let d = 2f64.powi(k);
+            assert_eq!(exact_reciprocal(d), Some(2f64.powi(-k)), "2^{k}");
+        }
+        for d in [3.0, 1e8, 2f64.powi(1023), 2f64.powi(-1023), 0.0, f64::INFINITY, f64::NAN, -0.0] {
+            assert_eq!(exact_reciprocal(d), None, "{d:e}");
+        }
+    }
+
     #[test]
     fn apply_wire_matches_read_then_apply() {
         let vals: Vec<i32> = (0..37).map(|i| (i * 7919 - 120_000) * if i % 3 == 0 { -1 } else { 1 }).collect();

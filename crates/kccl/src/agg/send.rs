@@ -130,8 +130,12 @@ impl Collective {
             Src::I32(d) => Enc::I32(d),
             Src::I64(d) => Enc::I64(d),
             Src::F32(d) => {
-                if let Some(index) = quant::first_non_finite(d) {
-                    return Err(Error::NonFinite { index });
+                // SUM/AVG data was checked when its scales were found
+                // (block_exponents, check_fixed): one pass over it fewer.
+                if !matches!(op, AggOp::Sum | AggOp::Avg) || scales.is_empty() {
+                    if let Some(index) = quant::first_non_finite(d) {
+                        return Err(Error::NonFinite { index });
+                    }
                 }
                 match op {
                     AggOp::Max | AggOp::Min => Enc::F32Ord(d),
