@@ -183,14 +183,17 @@ impl Progress {
     }
 
     /// The points of the current stage, by weight (any unit: their expected
-    /// share of its time). Zero weights count as one.
+    /// share of its time). A zero weight is a point that takes no time (one
+    /// skipped on this machine): it moves neither the bar nor the ETA, which
+    /// would otherwise extrapolate a whole stage from it.
     pub fn plan(&self, weights: &[u64]) {
         let mut st = self.state();
-        st.weights = weights.iter().map(|&w| w.max(1)).collect();
+        st.weights = weights.to_vec();
         st.next = 0;
         st.pos = 0;
         if let Some(pb) = &self.bar {
-            pb.set_length(st.weights.iter().sum());
+            // A length 0 draws full.
+            pb.set_length(st.weights.iter().sum::<u64>().max(1));
             pb.set_position(0);
             pb.reset_eta();
         }
@@ -366,6 +369,13 @@ mod tests {
         // Nothing done yet: no ETA rather than a made-up one.
         assert_eq!(eta(&state(&[1, 3], 1, "small"), Duration::from_secs(10)), None);
         assert_eq!(eta(&state(&[], 0, ""), Duration::from_secs(10)), None);
+        // Skipped points (weight 0) are no progress: no ETA extrapolated from them.
+        let p = Progress::hidden();
+        p.plan(&[0, 0, 100_000_000]);
+        for label in ["skipped", "skipped", "bytes=big"] {
+            p.point(label);
+        }
+        assert_eq!(eta(&p.state(), Duration::from_secs(2)), None);
     }
 
     #[test]
@@ -394,7 +404,7 @@ mod tests {
         p.point("b");
         p.point("past the plan");
         p.finish();
-        assert_eq!(done_weight(&p.state()), 6);
+        assert_eq!(done_weight(&p.state()), 5);
     }
 
     #[test]
