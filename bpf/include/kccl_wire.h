@@ -64,6 +64,22 @@ enum kccl_msg_type {
 	 * payload = one byte enum kccl_abort_reason, then UTF-8 text (at most
 	 * KCCL_AGG_ABORT_MAX_TEXT bytes) saying what the user must fix. */
 	KCCL_T_AGG_ABORT = 11,
+	/* Scatter-gather (docs/SCATTER_GATHER.md).  Coordinator -> workers: one
+	 * request, one datagram.  src_rank = the coordinator, mask_base/dst_mask
+	 * = the workers asked (the user path sends each worker a copy with its
+	 * own bit), msg_seq = the request id (wraps), frag_off 0, msg_len =
+	 * payload_len = the request's bytes, LAST_FRAG; agg_op = how replies
+	 * combine (enum kccl_agg_op: SUM, COUNT, MAX, MIN or CONCAT), dtype =
+	 * the replies' elements (enum kccl_dtype: I32, I64 or BYTES).  The same
+	 * id again asks again: a worker answers it with the same reply. */
+	KCCL_T_SG_REQUEST = 12,
+	/* Worker -> coordinator: one fragment of its reply to request msg_seq.
+	 * src_rank = the worker, mask_base/dst_mask = the coordinator's bit,
+	 * frag_off = the fragment's byte offset in the reply (a multiple of the
+	 * group's chunk size), payload_len = min(chunk, msg_len - frag_off),
+	 * msg_len = the reply's bytes, LAST_FRAG on the fragment that ends it
+	 * (an empty reply is one empty fragment); agg_op, dtype as requested. */
+	KCCL_T_SG_REPLY = 13,
 };
 
 /* enum kccl_abort_reason: the first payload byte of KCCL_T_AGG_ABORT. */
@@ -97,9 +113,11 @@ enum kccl_agg_op {
 	KCCL_OP_MAX	= 3,
 	KCCL_OP_MIN	= 4,
 	KCCL_OP_AVG	= 5,	/* summed on the wire; the runtime divides */
+	KCCL_OP_CONCAT	= 6,	/* scatter-gather: replies side by side, uncombined */
 };
 
 enum kccl_dtype {
+	KCCL_DT_BYTES	= 0,	/* scatter-gather CONCAT replies: opaque bytes */
 	KCCL_DT_I32	= 1,	/* big-endian int32 elements */
 	KCCL_DT_I64	= 2,	/* big-endian int64 elements */
 	KCCL_DT_F32Q	= 3,	/* float32 quantized to int32 by the sender: the

@@ -21,6 +21,7 @@ mod demo;
 mod error;
 mod loss_cmd;
 mod peers_cmd;
+mod sg_cmd;
 mod signals;
 mod suite_cmd;
 mod verdict;
@@ -63,6 +64,16 @@ enum Cmd {
         after_help = "Example: sudo kccl cluster exec h2 -- kccl allreduce --group /run/kccl/clusters/kccl/group.toml --rank 2 --dtype f32 --input grads.f32 --out sum.f32"
     )]
     Allreduce(agg_cmd::CollectiveArgs),
+    /// Serve scatter-gather requests: answer each with a vector or an echo (an ordinary UDP server).
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h3 -- kccl sg-worker --group /run/kccl/clusters/kccl/group.toml --rank 3 --reply vector:363"
+    )]
+    SgWorker(sg_cmd::SgWorkerArgs),
+    /// Scatter a request to workers and gather one combined result (sum, min, max, count or concat).
+    #[command(
+        after_help = "Example: sudo kccl cluster exec h0 -- kccl scatter --group /run/kccl/clusters/kccl/group.toml --rank 0 --to 1-9 --policy n:5 --deadline 0.2 --check 363"
+    )]
+    Scatter(sg_cmd::ScatterArgs),
     /// Benchmarks.
     #[command(subcommand)]
     #[command(after_help = "Example: sudo kccl bench reduce --sizes 67108864")]
@@ -282,6 +293,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Aggregator(a) => aggregator(a).map(|_| ExitCode::SUCCESS),
         Cmd::Reduce(a) => agg_cmd::reduce(a).map(|_| ExitCode::SUCCESS),
         Cmd::Allreduce(a) => agg_cmd::allreduce(a).map(|_| ExitCode::SUCCESS),
+        Cmd::SgWorker(a) => sg_cmd::worker(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Scatter(a) => sg_cmd::scatter(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Broadcast(a)) => bench_broadcast(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Reduce(a)) => agg_cmd::bench(Kind::Reduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),

@@ -9,6 +9,7 @@
 //! - [`kernel_agg`] (= `kernel::agg`): the aggregation engine (xdp_agg + tc_agg_result);
 //! - [`bcast`]: broadcast sender and receiver over both paths;
 //! - [`agg`]: reduce and allreduce (aggregation) over both paths;
+//! - [`sg`]: scatter-gather (one request to N workers, one combined result);
 //! - [`fault`]: a fault injector (loss, duplication, reordering) for kccl packets.
 //!
 //! The virtual cluster, the benchmarks and the peers (Gloo, MPI) live in the
@@ -23,6 +24,7 @@ pub mod group;
 pub mod kernel;
 pub use kernel::agg as kernel_agg;
 pub mod netns;
+pub mod sg;
 mod simd;
 pub mod sock;
 pub mod wire;
@@ -52,3 +54,18 @@ pub mod skel_fault {
 }
 
 pub use error::{Error, Result};
+
+/// Random bits from the kernel (getrandom); the clock if that fails.  First
+/// sequence numbers and request ids start here, so that a process started
+/// again does not reuse the ids its predecessor's peers still remember.
+pub(crate) fn random_u32() -> u32 {
+    let mut v = 0u32;
+    // SAFETY: writes at most 4 bytes into v.
+    let n = unsafe { libc::getrandom((&mut v as *mut u32).cast(), 4, 0) };
+    if n == 4 {
+        return v;
+    }
+    std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(1, |d| d.subsec_nanos() ^ d.as_secs() as u32)
+}

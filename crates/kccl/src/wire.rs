@@ -39,6 +39,10 @@ pub const T_AGG_ACKS: u8 = 10;
 pub const T_AGG_ABORT: u8 = 11;
 /// Longest explanation an abort carries (KCCL_AGG_ABORT_MAX_TEXT).
 pub const AGG_ABORT_MAX_TEXT: usize = 512;
+/// Scatter-gather request: coordinator -> workers (see the C header).
+pub const T_SG_REQUEST: u8 = 12;
+/// Scatter-gather reply fragment: worker -> coordinator.
+pub const T_SG_REPLY: u8 = 13;
 /// Why a call was aborted (enum kccl_abort_reason, the first payload byte
 /// of [`T_AGG_ABORT`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,7 +102,9 @@ pub const OP_COUNT: u8 = 2;
 pub const OP_MAX: u8 = 3;
 pub const OP_MIN: u8 = 4;
 pub const OP_AVG: u8 = 5;
+pub const OP_CONCAT: u8 = 6;
 // enum kccl_dtype
+pub const DT_BYTES: u8 = 0;
 pub const DT_I32: u8 = 1;
 pub const DT_I64: u8 = 2;
 pub const DT_F32Q: u8 = 3;
@@ -475,6 +481,10 @@ mod tests {
             ("KCCL_AGG_ACKS_MAX_BYTES", AGG_ACKS_MAX_BYTES as i64),
             ("KCCL_T_AGG_ABORT", T_AGG_ABORT as i64),
             ("KCCL_AGG_ABORT_MAX_TEXT", AGG_ABORT_MAX_TEXT as i64),
+            ("KCCL_T_SG_REQUEST", T_SG_REQUEST as i64),
+            ("KCCL_T_SG_REPLY", T_SG_REPLY as i64),
+            ("KCCL_OP_CONCAT", OP_CONCAT as i64),
+            ("KCCL_DT_BYTES", DT_BYTES as i64),
             ("KCCL_ABORT_NON_FINITE", AbortReason::NonFinite as i64),
             ("KCCL_ABORT_OVERFLOW", AbortReason::Overflow as i64),
             ("KCCL_ABORT_MISMATCH", AbortReason::Mismatch as i64),

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddrV4;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::group::{Group, Member};
@@ -122,7 +122,7 @@ impl Broadcaster {
             // remember completed (sender, seq) pairs, and a restarted sender
             // counting from 0 again would have its messages taken for late
             // duplicates (dropped, and re-acknowledged as delivered).
-            seq: random_u32(),
+            seq: crate::random_u32(),
             stats: SenderStats::default(),
             unresolved: false,
             rel: Reliability::default(),
@@ -624,17 +624,6 @@ fn check_ack(
         return None;
     }
     Some((h.src_rank, ack))
-}
-
-/// Random bits from the kernel (getrandom); the clock if that fails.
-fn random_u32() -> u32 {
-    let mut v = 0u32;
-    // SAFETY: writes at most 4 bytes into v.
-    let n = unsafe { libc::getrandom((&mut v as *mut u32).cast(), 4, 0) };
-    if n == 4 {
-        return v;
-    }
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(1, |d| d.subsec_nanos() ^ d.as_secs() as u32)
 }
 
 /// How far back an ACK's sequence number may lie to count as a late answer
