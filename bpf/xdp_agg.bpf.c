@@ -129,12 +129,10 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
+#include "kccl_xdp.h"
 #include "kccl_bcast.h"
 #include "kccl_agg.h"
 
-#define ETH_P_IP	0x0800
-#define IP_MF		0x2000
-#define IP_OFFMASK	0x1fff
 #define ETH_ALEN	6
 
 #define KCCL_ANSWER_FIXED_LEN	(sizeof(struct udphdr) + KCCL_HDR_LEN)
@@ -548,16 +546,10 @@ int kccl_xdp_agg(struct xdp_md *ctx)
 
 	if (!cfg_chunk_bytes)
 		return XDP_PASS;
-	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		goto pass;
-	ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5 ||
-	    ip->protocol != IPPROTO_UDP || (ip->frag_off & bpf_htons(IP_MF | IP_OFFMASK)))
+	udp = kccl_xdp_udp(data, end, bpf_htons(cfg_port), &ip);
+	if (!udp)
 		goto pass;
 	ihl_len = ip->ihl * 4;
-	udp = (void *)ip + ihl_len;
-	if ((void *)(udp + 1) > end || udp->dest != bpf_htons(cfg_port))
-		goto pass;
 	h = (void *)(udp + 1);
 	if ((void *)&h->version > end || h->magic != bpf_htonl(KCCL_MAGIC))
 		goto pass;

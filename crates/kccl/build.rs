@@ -14,6 +14,7 @@ const PROGRAMS: &[(&str, &str)] = &[
     ("xdp_agg.bpf.c", "xdp_agg"),
     ("tc_agg_result.bpf.c", "tc_agg_result"),
     ("tc_fault.bpf.c", "tc_fault"),
+    ("xdp_sg.bpf.c", "xdp_sg"),
 ];
 
 fn main() {

@@ -45,7 +45,7 @@ full_topologies=(
   "topology_cold_neighbours kernel_allreduce_and_reduce_with_cold_neighbour_tables"
 )
 
-for fixtures in bpf_agg_fixtures bpf_bcast_fixtures bpf_fault_fixtures; do
+for fixtures in bpf_agg_fixtures bpf_bcast_fixtures bpf_fault_fixtures bpf_sg_fixtures; do
   step "$fixtures" "$(bin "$fixtures")" --test-threads=1
 done
 

@@ -50,7 +50,7 @@ use kccl::wire::{
 };
 
 mod support;
-use support::{csum_add, csum_fold, inet_csum, pseudo_sum, Capture, NetnsGuard};
+use support::{csum_add, csum_fold, inet_csum, Capture, Frame, NetnsGuard};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -77,8 +77,6 @@ const I32: u8 = 1;
 const I64: u8 = 2;
 const F32Q: u8 = 3;
 
-const ETH_P_IP: u16 = 0x0800;
-
 // Contributor rank r lives at 10.9.0.r, UDP port 47000+r, MAC 02:00:00:00:00:r.
 fn ip_of(rank: u16) -> Ipv4Addr {
     Ipv4Addr::new(10, 9, (rank >> 8) as u8, rank as u8)
@@ -98,62 +96,6 @@ fn mask_of(ranks: &[u16]) -> u64 {
 
 // ---------------------------------------------------------------------------
 // Packet builder.
-
-/// Ethernet + IPv4 + UDP frame.
-#[derive(Clone, Debug)]
-struct Frame {
-    eth_src: [u8; 6],
-    eth_dst: [u8; 6],
-    saddr: Ipv4Addr,
-    daddr: Ipv4Addr,
-    sport: u16,
-    dport: u16,
-    options: Vec<u8>,
-    udp_csum: bool,
-    udp_len_field: Option<u16>,
-    payload: Vec<u8>,
-}
-
-impl Frame {
-    fn build(&self) -> Vec<u8> {
-        let ihl = 5 + self.options.len() / 4;
-        let udp_len = 8 + self.payload.len();
-        let tot_len = ihl * 4 + udp_len;
-        let mut f = Vec::with_capacity(14 + tot_len);
-        f.extend_from_slice(&self.eth_dst);
-        f.extend_from_slice(&self.eth_src);
-        f.extend_from_slice(&ETH_P_IP.to_be_bytes());
-        let ip_start = f.len();
-        f.push(0x40 | ihl as u8);
-        f.push(0);
-        f.extend_from_slice(&(tot_len as u16).to_be_bytes());
-        f.extend_from_slice(&0x1234u16.to_be_bytes());
-        f.extend_from_slice(&0x4000u16.to_be_bytes()); // DF
-        f.push(64);
-        f.push(17);
-        f.extend_from_slice(&[0, 0]);
-        f.extend_from_slice(&self.saddr.octets());
-        f.extend_from_slice(&self.daddr.octets());
-        f.extend_from_slice(&self.options);
-        let c = inet_csum(&f[ip_start..]);
-        f[ip_start + 10..ip_start + 12].copy_from_slice(&c.to_be_bytes());
-        let udp_start = f.len();
-        f.extend_from_slice(&self.sport.to_be_bytes());
-        f.extend_from_slice(&self.dport.to_be_bytes());
-        f.extend_from_slice(&self.udp_len_field.unwrap_or(udp_len as u16).to_be_bytes());
-        f.extend_from_slice(&[0, 0]);
-        f.extend_from_slice(&self.payload);
-        if self.udp_csum {
-            let s = csum_add(pseudo_sum(self.saddr, self.daddr, udp_len as u16), &f[udp_start..]);
-            let mut c = !csum_fold(s);
-            if c == 0 {
-                c = 0xffff;
-            }
-            f[udp_start + 6..udp_start + 8].copy_from_slice(&c.to_be_bytes());
-        }
-        f
-    }
-}
 
 /// Wire bytes of `values` as `dtype` (big-endian).
 fn encode(dtype: u8, values: &[i64]) -> Vec<u8> {

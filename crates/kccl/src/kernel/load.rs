@@ -8,8 +8,10 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags};
 
 use crate::error::{is_root, Error, Result};
+use crate::kernel::agg::XdpMode;
 use std::mem::size_of;
 use std::mem::MaybeUninit;
+use std::os::fd::{FromRawFd, OwnedFd};
 
 pub(crate) fn unavailable(what: &str, e: impl std::fmt::Display) -> Error {
     Error::KernelPathUnavailable { reason: format!("{what}: {e}") }
@@ -37,6 +39,39 @@ pub(crate) fn skeleton_storage(what: &str) -> Result<&'static mut MaybeUninit<li
         });
     }
     Ok(Box::leak(Box::new(MaybeUninit::uninit())))
+}
+
+/// Attaches the XDP program `prog_fd` to `ifindex` as a link (detached when
+/// the fd is closed or the process dies): native mode, or generic (skb)
+/// mode when the driver refuses native.  `what` names the program.
+pub(crate) fn attach_xdp(prog_fd: i32, ifindex: u32, what: &str) -> Result<(OwnedFd, XdpMode)> {
+    let attach = |flags: u32| -> std::result::Result<OwnedFd, std::io::Error> {
+        // SAFETY: zeroed options with sz set are what libbpf expects.
+        let mut opts: libbpf_rs::libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+        opts.sz = size_of::<libbpf_rs::libbpf_sys::bpf_link_create_opts>() as _;
+        opts.flags = flags;
+        // SAFETY: a loaded program fd, an ifindex and valid options.
+        let fd = unsafe {
+            libbpf_rs::libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, libbpf_rs::libbpf_sys::BPF_XDP, &opts)
+        };
+        if fd < 0 {
+            return Err(std::io::Error::from_raw_os_error(-fd));
+        }
+        // SAFETY: fd is a new link fd we own; closing it detaches.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    match attach(libbpf_rs::libbpf_sys::XDP_FLAGS_DRV_MODE) {
+        Ok(l) => Ok((l, XdpMode::Native)),
+        Err(native) => match attach(libbpf_rs::libbpf_sys::XDP_FLAGS_SKB_MODE) {
+            Ok(l) => Ok((l, XdpMode::Generic)),
+            Err(generic) => Err(Error::KernelPathUnavailable {
+                reason: format!(
+                    "attaching {what} to ifindex {ifindex} failed: native mode: {native}; \
+                     generic mode: {generic} (another XDP program attached?)"
+                ),
+            }),
+        },
+    }
 }
 
 /// Attaches `prog` at its TCX hook of `ifindex` (ingress or egress, as the

@@ -295,3 +295,60 @@ impl Capture {
         }
     }
 }
+
+/// Ethernet + IPv4 (DF, TTL 64, any options) + UDP frame, checksums computed
+/// from scratch (the UDP one only when `udp_csum`).
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub eth_src: [u8; 6],
+    pub eth_dst: [u8; 6],
+    pub saddr: Ipv4Addr,
+    pub daddr: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub options: Vec<u8>,
+    pub udp_csum: bool,
+    pub udp_len_field: Option<u16>,
+    pub payload: Vec<u8>,
+}
+
+impl Frame {
+    pub fn build(&self) -> Vec<u8> {
+        let ihl = 5 + self.options.len() / 4;
+        let udp_len = 8 + self.payload.len();
+        let tot_len = ihl * 4 + udp_len;
+        let mut f = Vec::with_capacity(14 + tot_len);
+        f.extend_from_slice(&self.eth_dst);
+        f.extend_from_slice(&self.eth_src);
+        f.extend_from_slice(&0x0800u16.to_be_bytes()); // ETH_P_IP
+        let ip_start = f.len();
+        f.push(0x40 | ihl as u8);
+        f.push(0);
+        f.extend_from_slice(&(tot_len as u16).to_be_bytes());
+        f.extend_from_slice(&0x1234u16.to_be_bytes());
+        f.extend_from_slice(&0x4000u16.to_be_bytes()); // DF
+        f.push(64);
+        f.push(17);
+        f.extend_from_slice(&[0, 0]);
+        f.extend_from_slice(&self.saddr.octets());
+        f.extend_from_slice(&self.daddr.octets());
+        f.extend_from_slice(&self.options);
+        let c = inet_csum(&f[ip_start..]);
+        f[ip_start + 10..ip_start + 12].copy_from_slice(&c.to_be_bytes());
+        let udp_start = f.len();
+        f.extend_from_slice(&self.sport.to_be_bytes());
+        f.extend_from_slice(&self.dport.to_be_bytes());
+        f.extend_from_slice(&self.udp_len_field.unwrap_or(udp_len as u16).to_be_bytes());
+        f.extend_from_slice(&[0, 0]);
+        f.extend_from_slice(&self.payload);
+        if self.udp_csum {
+            let s = csum_add(pseudo_sum(self.saddr, self.daddr, udp_len as u16), &f[udp_start..]);
+            let mut c = !csum_fold(s);
+            if c == 0 {
+                c = 0xffff;
+            }
+            f[udp_start + 6..udp_start + 8].copy_from_slice(&c.to_be_bytes());
+        }
+        f
+    }
+}

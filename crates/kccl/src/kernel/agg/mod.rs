@@ -29,9 +29,8 @@ pub use record::{dtype_size, AggRecordView};
 pub use slots::{SlotInfo, SlotState, SlotSummary};
 pub use stats::AggStats;
 
-use std::mem::size_of;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Duration;
 
 use libbpf_rs::Link;
@@ -39,7 +38,7 @@ use libbpf_rs::Link;
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::kernel::{
-    attach_tcx, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, parse_agg_miss,
+    attach_tcx, attach_xdp, ifname, load_skeleton, member_entry, neighbours, no_rodata, open_skeleton, parse_agg_miss,
     read_next_hop, sum_percpu, verified_insns, write_member_entry, AggMiss, MissReader, CLONE_MARK,
 };
 use crate::skel_agg::{XdpAggSkel, XdpAggSkelBuilder};
@@ -132,36 +131,7 @@ impl AggEngine {
                 self.ifindex
             )));
         }
-        let prog_fd = self.xdp.progs.kccl_xdp_agg.as_fd().as_raw_fd();
-        let attach = |flags: u32| -> std::result::Result<OwnedFd, std::io::Error> {
-            // SAFETY: zeroed options with sz set are what libbpf expects.
-            let mut opts: libbpf_rs::libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
-            opts.sz = size_of::<libbpf_rs::libbpf_sys::bpf_link_create_opts>() as _;
-            opts.flags = flags;
-            // SAFETY: a loaded program fd, an ifindex and valid options.
-            let fd = unsafe {
-                libbpf_rs::libbpf_sys::bpf_link_create(prog_fd, ifindex as i32, libbpf_rs::libbpf_sys::BPF_XDP, &opts)
-            };
-            if fd < 0 {
-                return Err(std::io::Error::from_raw_os_error(-fd));
-            }
-            // SAFETY: fd is a new link fd we own; closing it detaches.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        };
-        let (link, mode) = match attach(libbpf_rs::libbpf_sys::XDP_FLAGS_DRV_MODE) {
-            Ok(l) => (l, XdpMode::Native),
-            Err(native) => match attach(libbpf_rs::libbpf_sys::XDP_FLAGS_SKB_MODE) {
-                Ok(l) => (l, XdpMode::Generic),
-                Err(generic) => {
-                    return Err(Error::KernelPathUnavailable {
-                        reason: format!(
-                            "attaching xdp_agg to ifindex {ifindex} failed: native mode: {native}; \
-                             generic mode: {generic} (another XDP program attached?)"
-                        ),
-                    })
-                }
-            },
-        };
+        let (link, mode) = attach_xdp(self.xdp.progs.kccl_xdp_agg.as_fd().as_raw_fd(), ifindex, "xdp_agg")?;
         let prog = &self.result.progs.kccl_tc_agg_result;
         self.tcx_link = Some(attach_tcx(prog, ifindex, None, "tc_agg_result at TCX ingress")?);
         self.xdp_link = Some(link);
