@@ -43,6 +43,8 @@ full_topologies=(
   "topology_broadcast_faults a_loss_on_sender_link"
   "agg_kernel_smoke agg_kernel_smoke"
   "topology_cold_neighbours kernel_allreduce_and_reduce_with_cold_neighbour_tables"
+  "topology_scatter_gather b_kernel_path_dead_worker_long_replies_and_concat"
+  "topology_scatter_gather c_kernel_path_under_loss_and_duplication"
 )
 
 for fixtures in bpf_agg_fixtures bpf_bcast_fixtures bpf_fault_fixtures bpf_sg_fixtures; do

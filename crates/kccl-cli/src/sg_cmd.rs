@@ -157,6 +157,9 @@ pub fn scatter(a: ScatterArgs) -> Result<()> {
     }
     if a.stats {
         println!("{}", serde_json::to_string(&c.stats()).expect("plain counters serialize"));
+        if let Some(k) = c.kernel_stats()? {
+            println!("xdp_sg: {}", serde_json::to_string(&k).expect("plain counters serialize"));
+        }
     }
     Ok(())
 }

@@ -21,5 +21,5 @@ pub use members::{neighbours, parse_mac};
 pub(crate) use misses::{parse_agg_miss, parse_miss_event, MissReader};
 pub use misses::{AggMiss, MissEvent, MissReason};
 pub use sg::{
-    SgClosed, SgDone, SgEngine, SgEngineConfig, SgSlotState, SgStats, SG_MAX_ELEMS, SG_MAX_RANKS, SG_MAX_SLOTS,
+    SgClosed, SgDone, SgEngine, SgEngineConfig, SgPeek, SgSlotState, SgStats, SG_MAX_ELEMS, SG_MAX_RANKS, SG_MAX_SLOTS,
 };

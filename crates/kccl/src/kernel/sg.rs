@@ -14,14 +14,14 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libbpf_rs::{RingBuffer, RingBufferBuilder};
+use libbpf_rs::{MapCore, MapFlags, RingBuffer, RingBufferBuilder};
 
 use crate::error::{Error, Result};
 use crate::kernel::agg::XdpMode;
 use crate::kernel::{
     attach_xdp, load_skeleton, member_entry, no_rodata, open_skeleton, sum_percpu, verified_insns, write_member_entry,
 };
-use crate::skel_sg::types::{kccl_sg_ctl, kccl_sg_done};
+use crate::skel_sg::types::{kccl_sg_ctl, kccl_sg_done, kccl_sg_slot};
 use crate::skel_sg::{XdpSgSkel, XdpSgSkelBuilder};
 
 /// Ranks a kernel-path request can ask (KCCL_SG_MAX_RANKS).
@@ -37,6 +37,10 @@ const CTL_OK: u32 = 1;
 const CTL_BAD: u32 = 2;
 const CTL_NOT_OURS: u32 = 3;
 const FLAG_OVERFLOW: u16 = 1;
+/// enum kccl_sg_state.
+const STATE_OPEN: u32 = 1;
+const STATE_DONE: u32 = 2;
+const STATE_CLOSED: u32 = 3;
 
 /// The slot state a CLOSE found (enum kccl_sg_state).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +116,17 @@ pub struct SgClosed {
     pub seen: Vec<u16>,
     /// Ranks whose reply the kernel could not combine (too long, another
     /// op or type), without those whose good reply came later.
+    pub refused: Vec<u16>,
+}
+
+/// What a request's slot holds, read without closing it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SgPeek {
+    pub state: SgSlotState,
+    pub answered: u32,
+    pub asked: Vec<u16>,
+    pub seen: Vec<u16>,
+    /// Ranks whose reply the kernel could not combine (see [`SgClosed`]).
     pub refused: Vec<u16>,
 }
 
@@ -358,8 +373,8 @@ impl SgEngine {
             r => return Err(ctl_answer("close", req_id, r)),
         }
         let state = match c.state {
-            1 => SgSlotState::Open,
-            2 => SgSlotState::Done,
+            STATE_OPEN => SgSlotState::Open,
+            STATE_DONE => SgSlotState::Done,
             _ => SgSlotState::Closed,
         };
         let refused: Vec<u64> = c.refused.iter().zip(c.seen.iter()).map(|(r, s)| r & !s).collect();
@@ -370,6 +385,39 @@ impl SgEngine {
             overflow_at: (c.flags & FLAG_OVERFLOW != 0).then_some(c.overflow_at),
             asked: ranks_of(&c.asked),
             seen: ranks_of(&c.seen),
+            refused: ranks_of(&refused),
+        }))
+    }
+
+    /// What request `req_id`'s slot holds now, read under its lock without
+    /// changing it (the re-request timer and the exhaustion check read it):
+    /// None when the slot holds another request or none.
+    pub fn peek(&self, req_id: u32) -> Result<Option<SgPeek>> {
+        let idx = self.slot_of(req_id);
+        let raw = self
+            .skel
+            .maps
+            .sg_slots
+            .lookup(&idx.to_ne_bytes(), MapFlags::LOCK)
+            .map_err(|e| Error::Bpf { step: format!("reading scatter-gather slot {idx}"), source: e })?;
+        let Some(raw) = raw.filter(|r| r.len() >= size_of::<kccl_sg_slot>()) else { return Ok(None) };
+        // SAFETY: raw holds a whole kccl_sg_slot (checked above), plain old data.
+        let s: kccl_sg_slot = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
+        let state = match s.state {
+            STATE_OPEN => SgSlotState::Open,
+            STATE_DONE => SgSlotState::Done,
+            STATE_CLOSED => SgSlotState::Closed,
+            _ => return Ok(None),
+        };
+        if s.req_id != req_id {
+            return Ok(None);
+        }
+        let refused: Vec<u64> = s.refused.iter().zip(s.seen.iter()).map(|(r, s)| r & !s).collect();
+        Ok(Some(SgPeek {
+            state,
+            answered: s.answered,
+            asked: ranks_of(&s.asked),
+            seen: ranks_of(&s.seen),
             refused: ranks_of(&refused),
         }))
     }
@@ -442,7 +490,6 @@ impl SgEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::skel_sg::types::kccl_sg_slot;
 
     const MASK_WORDS: usize = SG_MAX_RANKS / 64;
 

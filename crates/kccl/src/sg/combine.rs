@@ -167,6 +167,12 @@ impl Acc {
         Acc { combine, elem, vals: Vec::new(), overflow: None, replies: Vec::new() }
     }
 
+    /// The value the kernel combined (xdp_sg: int64 accumulators and the
+    /// first element whose sum overflowed), finished as one combined here.
+    pub(crate) fn from_kernel(combine: Combine, elem: Elem, vals: Vec<i64>, overflow: Option<usize>) -> Acc {
+        Acc { combine, elem, vals, overflow, replies: Vec::new() }
+    }
+
     /// Adds worker `rank`'s whole reply; Err says why it cannot be combined
     /// (the reply is then left out).
     pub(crate) fn add(&mut self, rank: u16, reply: Vec<u8>) -> std::result::Result<(), String> {

@@ -4,13 +4,22 @@
 //! completes the request by its policy or its deadline.  Many requests can be
 //! in flight at once; a worker that has not answered is asked again (only
 //! it) after a retransmission timeout that doubles up to a cap.
+//!
+//! On the kernel path xdp_sg on the coordinator's interface combines the
+//! replies of the requests it can take (sg/kernel_gather.rs) and only the
+//! result reaches this process: a done record on a ring buffer, the elements
+//! read in place.  The timer then reads the request's slot to ask again only
+//! the workers whose reply the kernel has not combined, and finds a request
+//! that can no longer meet its policy.  Requests the kernel cannot take stay
+//! on the user path of the same coordinator.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddrV4;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::combine::{self, Acc, Combine, Elem, Value};
+use super::kernel_gather::{self, KernelGather};
 use crate::bcast::{Path, PathChoice};
 use crate::error::{Error, Result};
 use crate::group::Group;
@@ -144,6 +153,11 @@ pub struct CoordStats {
     /// Packets that are not a well-formed reply of this request.
     pub malformed: u64,
     pub re_requests: u64,
+    /// Requests the kernel combined (kernel path).
+    pub in_kernel: u64,
+    /// Replies of requests the kernel holds that reached the socket anyway
+    /// (xdp_sg did not see them); left out.
+    pub bypassed: u64,
 }
 
 enum WorkerState {
@@ -172,6 +186,8 @@ struct Pending {
     retry_at: Instant,
     rto: Duration,
     re_requests: usize,
+    /// The kernel combines its replies (its slot is open in xdp_sg).
+    in_kernel: bool,
 }
 
 impl Pending {
@@ -198,26 +214,45 @@ pub struct Coordinator {
     pending: HashMap<u32, Pending>,
     done: VecDeque<(u32, Result<Gathered>)>,
     stats: CoordStats,
+    kernel: Option<KernelGather>,
+    /// On the kernel path: the socket and the done ring, one fd to wait on.
+    epoll: Option<OwnedFd>,
 }
 
 impl Coordinator {
     /// A coordinator for member `rank` of `group`, bound to its address and
-    /// port.  The kernel path of scatter-gather is not built yet: `Kernel`
-    /// is refused, `Auto` takes the user path and says so.
+    /// port, in the calling thread's network namespace.  `Kernel` loads
+    /// xdp_sg on the member's interface or fails saying why; `Auto` falls
+    /// back to the user path and says why.
     pub fn new(group: &Group, rank: u16, choice: PathChoice) -> Result<Coordinator> {
-        let reason = "scatter-gather's kernel path (TC fan-out of the request, XDP gather) is not built yet";
-        let path_reason = match choice {
-            PathChoice::Kernel => return Err(Error::KernelPathUnavailable { reason: reason.to_owned() }),
-            PathChoice::User => "user path (asked for)".to_owned(),
-            PathChoice::Auto => format!("user path: {reason}"),
-        };
         let me = group.member(rank.into())?;
         let sock = BatchSocket::bind(me.addr, me.port, 8 << 20, 4 << 20)?;
+        let kernel = match choice {
+            PathChoice::User => Err("user path (asked for)".to_owned()),
+            PathChoice::Kernel => Ok(KernelGather::load(group, me)?),
+            PathChoice::Auto => KernelGather::load(group, me).map_err(|e| format!("user path: kernel path off: {e}")),
+        };
+        let (kernel, path, path_reason) = match kernel {
+            Ok(k) => {
+                let why = format!(
+                    "kernel path: xdp_sg on {} combines the replies (SUM/MIN/MAX/COUNT of int32/int64, \
+                     up to {} elements each); the request goes to each worker from user space",
+                    k.iface(),
+                    crate::kernel::SG_MAX_ELEMS
+                );
+                (Some(k), Path::Kernel, why)
+            }
+            Err(why) => (None, Path::User, why),
+        };
+        let epoll = match &kernel {
+            Some(k) => Some(wait_set(&[sock.as_raw_fd(), k.done_fd()])?),
+            None => None,
+        };
         let chunk = group.chunk_bytes as usize;
         Ok(Coordinator {
             group: group.clone(),
             rank,
-            path: Path::User,
+            path,
             path_reason,
             cfg: SgConfig::default(),
             sock,
@@ -227,7 +262,14 @@ impl Coordinator {
             pending: HashMap::new(),
             done: VecDeque::new(),
             stats: CoordStats::default(),
+            kernel,
+            epoll,
         })
+    }
+
+    /// The kernel engine's counters (kernel path only).
+    pub fn kernel_stats(&self) -> Result<Option<crate::kernel::SgStats>> {
+        self.kernel.as_ref().map(|k| k.stats()).transpose()
     }
 
     pub fn path(&self) -> Path {
@@ -311,6 +353,10 @@ impl Coordinator {
         }
         self.next_id = id.wrapping_add(1);
         let now = Instant::now();
+        let in_kernel = match &mut self.kernel {
+            Some(k) => k.try_open(id, spec.policy.needed(workers.len()), spec.combine, spec.elem, &workers)?,
+            None => false,
+        };
         let p = Pending {
             spec,
             state: workers.iter().map(|_| WorkerState::Waiting).collect(),
@@ -323,10 +369,17 @@ impl Coordinator {
             retry_at: now + self.cfg.rto,
             rto: self.cfg.rto,
             re_requests: 0,
+            in_kernel,
         };
-        self.send_request(id, &p, &p.workers)?;
+        if let Err(e) = self.send_request(id, &p, &p.workers) {
+            if let (true, Some(k)) = (in_kernel, &mut self.kernel) {
+                k.close(id, spec.combine, spec.elem)?;
+            }
+            return Err(e);
+        }
         self.pending.insert(id, p);
         self.stats.requests += 1;
+        self.stats.in_kernel += u64::from(in_kernel);
         Ok(id)
     }
 
@@ -385,7 +438,14 @@ impl Coordinator {
                 return Ok(Vec::new());
             }
             let wait = wake.saturating_duration_since(now).max(Duration::from_micros(100));
-            let n = self.sock.recv_batch(&mut self.rb, Some(wait))?;
+            let n = match &self.epoll {
+                Some(ep) => {
+                    wait_readable(ep, wait)?;
+                    self.take_kernel_done()?;
+                    self.sock.recv_batch(&mut self.rb, Some(Duration::ZERO))?
+                }
+                None => self.sock.recv_batch(&mut self.rb, Some(wait))?,
+            };
             for i in 0..n {
                 self.take(i);
             }
@@ -422,7 +482,30 @@ impl Coordinator {
             if now >= p.t0 + p.spec.deadline {
                 ended.push((id, Outcome::Deadline));
             } else if now >= p.retry_at {
-                let to: Vec<u16> = p.unanswered().collect();
+                let to: Vec<u16> = match (&self.kernel, p.in_kernel) {
+                    (Some(k), true) => match k.peek(id)? {
+                        // Done: its record is late or was lost (ring full).
+                        Some(s) if s.state == crate::kernel::SgSlotState::Open => {
+                            let to: Vec<u16> = p
+                                .workers
+                                .iter()
+                                .copied()
+                                .filter(|w| s.seen.binary_search(w).is_err() && s.refused.binary_search(w).is_err())
+                                .collect();
+                            if to.is_empty() {
+                                // Refused replies: nothing more can come.
+                                ended.push((id, Outcome::Exhausted));
+                                continue;
+                            }
+                            to
+                        }
+                        _ => {
+                            ended.push((id, Outcome::Complete));
+                            continue;
+                        }
+                    },
+                    _ => p.unanswered().collect(),
+                };
                 p.re_requests += to.len();
                 p.rto = (p.rto * 2).min(self.cfg.rto_max);
                 p.retry_at = now + p.rto;
@@ -439,28 +522,57 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Ends the kernel's requests whose done record arrived.
+    fn take_kernel_done(&mut self) -> Result<()> {
+        let Some(k) = &mut self.kernel else { return Ok(()) };
+        for d in k.done()? {
+            // A request ended meanwhile (deadline) has no record to take.
+            if self.pending.get(&d.req_id).is_some_and(|p| p.in_kernel) {
+                self.end(d.req_id, Outcome::Complete);
+            }
+        }
+        Ok(())
+    }
+
     fn end(&mut self, id: u32, outcome: Outcome) {
         let Some(p) = self.pending.remove(&id) else { return };
+        let (outcome, r) = if p.in_kernel { self.end_in_kernel(id, outcome, p) } else { end_in_user(id, outcome, p) };
         match outcome {
             Outcome::Complete => self.stats.complete += 1,
             Outcome::Deadline => self.stats.by_deadline += 1,
             Outcome::Exhausted => self.stats.exhausted += 1,
         }
-        let missing: Vec<u16> = p.unanswered().collect();
-        let mut answered = p.answered;
-        answered.sort_unstable();
-        let what = format!("scatter-gather request {id} ({} over {} workers)", p.spec.combine, p.workers.len());
-        let r = p.acc.finish(&what).map(|value| Gathered {
+        self.done.push_back((id, r));
+    }
+
+    /// Closes request `id`'s slot and makes its result from what the kernel
+    /// combined: a slot that met its policy is Complete whatever the caller
+    /// thought (its record may not have been read yet).
+    fn end_in_kernel(&mut self, id: u32, outcome: Outcome, p: Pending) -> (Outcome, Result<Gathered>) {
+        let k = self.kernel.as_mut().expect("a request in the kernel has a kernel");
+        let (closed, acc) = match k.close(id, p.spec.combine, p.spec.elem) {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                let reason = format!("the kernel's slot of scatter-gather request {id} holds another request");
+                return (outcome, Err(Error::KernelPathUnavailable { reason }));
+            }
+            Err(e) => return (outcome, Err(e)),
+        };
+        let outcome = if closed.state == crate::kernel::SgSlotState::Done { Outcome::Complete } else { outcome };
+        let has = |v: &[u16], w: &u16| v.binary_search(w).is_ok();
+        let missing = p.workers.iter().copied().filter(|w| !has(&closed.seen, w) && !has(&closed.refused, w)).collect();
+        let refused = closed.refused.iter().map(|&w| (w, kernel_gather::refusal())).collect();
+        let r = acc.finish(&describe(id, &p)).map(|value| Gathered {
             id,
             outcome,
             value,
-            answered,
+            answered: closed.seen,
             missing,
-            refused: p.refused,
+            refused,
             elapsed: p.t0.elapsed(),
             re_requests: p.re_requests,
         });
-        self.done.push_back((id, r));
+        (outcome, r)
     }
 
     /// Takes datagram i of the last receive batch.
@@ -502,6 +614,10 @@ impl Coordinator {
             self.stats.foreign += 1;
             return;
         };
+        if p.in_kernel {
+            self.stats.bypassed += 1;
+            return;
+        }
         let (chunk, max_reply) = (self.chunk, self.cfg.max_reply);
         let len = h.msg_len as usize;
         let off = h.frag_off as usize;
@@ -571,10 +687,72 @@ impl Coordinator {
     }
 }
 
+/// The result of user-path request `id` from what this process combined.
+fn end_in_user(id: u32, outcome: Outcome, p: Pending) -> (Outcome, Result<Gathered>) {
+    let missing: Vec<u16> = p.unanswered().collect();
+    let what = describe(id, &p);
+    let mut answered = p.answered;
+    answered.sort_unstable();
+    let r = p.acc.finish(&what).map(|value| Gathered {
+        id,
+        outcome,
+        value,
+        answered,
+        missing,
+        refused: p.refused,
+        elapsed: p.t0.elapsed(),
+        re_requests: p.re_requests,
+    });
+    (outcome, r)
+}
+
+/// Names request `id` in errors.
+fn describe(id: u32, p: &Pending) -> String {
+    format!("scatter-gather request {id} ({} over {} workers)", p.spec.combine, p.workers.len())
+}
+
+/// An epoll set of `fds` (level-triggered, readable).
+fn wait_set(fds: &[RawFd]) -> Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is owned below.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(Error::io("epoll_create1 (scatter-gather wait set)", std::io::Error::last_os_error()));
+    }
+    // SAFETY: ep is a new fd nobody else owns.
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    for &fd in fds {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+        // SAFETY: valid epoll fd, fd and event.
+        if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(Error::io("epoll_ctl (scatter-gather wait set)", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(ep)
+}
+
+/// Waits up to `timeout` for something in `ep` to be readable.
+fn wait_readable(ep: &OwnedFd, timeout: Duration) -> Result<()> {
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 2];
+    // SAFETY: valid epoll fd and event buffer of len 2.
+    let rc = unsafe { libc::epoll_wait(ep.as_raw_fd(), ev.as_mut_ptr(), 2, ms) };
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io("epoll_wait (scatter-gather)", e));
+        }
+    }
+    Ok(())
+}
+
 impl AsRawFd for Coordinator {
-    /// Readable when replies wait: register it with epoll and call
-    /// [`Coordinator::poll`] with a zero timeout when it fires.
+    /// Readable when replies or (kernel path) done records wait: register
+    /// it with epoll and call [`Coordinator::poll`] with a zero timeout
+    /// when it fires.
     fn as_raw_fd(&self) -> RawFd {
-        self.sock.as_raw_fd()
+        match &self.epoll {
+            Some(ep) => ep.as_raw_fd(),
+            None => self.sock.as_raw_fd(),
+        }
     }
 }

@@ -8,13 +8,15 @@
 //! one datagram; KCCL_T_SG_REPLY fragments from each worker, cut at the
 //! group's chunk size.  Workers are plain UDP servers on both paths.
 //!
-//! This is the user-space path: the coordinator sends a copy of the request
-//! to each worker (sendmmsg) and combines the replies it receives (recvmmsg).
-//! The kernel path (TC fan-out of the request, replies combined in XDP and
-//! only the result delivered) speaks the same protocol and is not built yet.
+//! On the user-space path the coordinator sends a copy of the request to
+//! each worker (sendmmsg) and combines the replies it receives (recvmmsg).
+//! On the kernel path xdp_sg on the coordinator's interface combines them
+//! (kernel_gather.rs) and only the result reaches the coordinator; the
+//! request still goes out from user space (its TC fan-out is not built).
 
 mod combine;
 mod coordinator;
+mod kernel_gather;
 mod worker;
 
 pub use combine::{encode_i32, encode_i64, Combine, Elem, Value};
