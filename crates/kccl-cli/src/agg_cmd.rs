@@ -1,4 +1,4 @@
-//! `kccl reduce`, `kccl allreduce` and `kccl bench reduce|allreduce|cpu`.
+//! `kccl reduce`, `kccl allreduce`, `kccl aggregator` and `kccl bench reduce|allreduce|cpu`.
 //!
 //! reduce/allreduce run one member of a group: each member generates a
 //! deterministic vector from (seed, rank), or reads one from a file, and the
@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use clap::Args;
-use kccl::agg::{AggConfig, AggOp, AllreduceMode, Collective, Element, Quant};
-use kccl::bcast::{Path, PathChoice};
+use kccl::agg::{AggConfig, AggOp, Aggregator, AllreduceMode, Collective, Element, Quant};
+use kccl::transport::{Path, PathChoice};
 use kccl_testbed::bench::agg::{AggHarness, AggRecord, CpuRecord, Kind};
 use kccl_testbed::bench::cpu::measure_cpu;
 use kccl_testbed::bench::{fnv1a, write_outputs};
 use kccl_testbed::cluster;
 
-use crate::{member_setup, MemberArgs};
+use crate::member_args::{member_setup, MemberArgs};
+use crate::signals;
 
 #[derive(Args)]
 pub struct CollectiveArgs {
@@ -413,4 +414,76 @@ pub fn bench_cpu(mut a: BenchCpuArgs) -> Result<()> {
     write_outputs(&rows, &a.json, a.plot.as_deref(), "cpu")?;
     println!("wrote {}", a.json.display());
     Ok(())
+}
+
+#[derive(Args)]
+pub struct AggregatorArgs {
+    #[command(flatten)]
+    member: MemberArgs,
+    /// Stop after this many seconds (default: until SIGINT or SIGTERM; the
+    /// counters are printed either way).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Also print the counters every this many seconds while serving.
+    #[arg(long, value_name = "SECONDS")]
+    stats_every: Option<f64>,
+}
+
+pub fn aggregator(a: AggregatorArgs) -> Result<()> {
+    let (group, rank, choice) = member_setup(&a.member)?;
+    let every = match a.stats_every {
+        Some(s) if !(s > 0.0 && s.is_finite()) => {
+            return Err(Error::Usage(format!("--stats-every {s}: give a positive number of seconds")))
+        }
+        s => s.map(Duration::from_secs_f64),
+    };
+    let mut agg = Aggregator::new(&group, rank, choice, AggConfig::default())?;
+    signals::stop_on_signals()?;
+    eprintln!("kccl: {}", agg.path_reason());
+    eprintln!("kccl: aggregating allreduce of group '{}' (job {}) as rank {rank}", group.name, group.job_id);
+    let end = a.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+    let mut next_report = every.map(|e| Instant::now() + e);
+    while !signals::stop_requested() && end.is_none_or(|e| Instant::now() < e) {
+        agg.serve_once(Duration::from_millis(100))?;
+        if let (Some(at), Some(e)) = (next_report, every) {
+            if Instant::now() >= at {
+                print_aggregator_counters(&agg)?;
+                next_report = Some(at + e);
+            }
+        }
+    }
+    print_aggregator_counters(&agg)
+}
+
+/// The aggregator's counters: its user-space side as JSON (for scripts), and
+/// on the kernel path xdp_agg's and tc_agg_result's by name (the non-zero
+/// ones: drops of non-members, other jobs, malformed packets, fan-out misses
+/// need no bpftool).
+fn print_aggregator_counters(agg: &Aggregator) -> Result<()> {
+    let json = |v: serde_json::Result<serde_json::Value>| v.map_err(|e| Error::Usage(format!("counters as JSON: {e}")));
+    eprintln!("kccl: aggregator counters: {}", json(serde_json::to_value(agg.stats()))?);
+    match agg.kernel_stats()? {
+        None => eprintln!("kccl: kernel counters: none (the user-space path serves this aggregator)"),
+        Some(k) => eprintln!(
+            "kccl: kernel counters (xdp_agg, tc_agg_result): {}",
+            nonzero_fields(&json(serde_json::to_value(k))?)
+        ),
+    }
+    Ok(())
+}
+
+/// `name=value` of the non-zero numeric fields of a JSON object, or "all zero".
+fn nonzero_fields(v: &serde_json::Value) -> String {
+    let parts: Vec<String> = v
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, x)| x.as_u64().is_some_and(|n| n != 0))
+        .map(|(k, x)| format!("{k}={x}"))
+        .collect();
+    if parts.is_empty() {
+        "all zero".into()
+    } else {
+        parts.join(" ")
+    }
 }

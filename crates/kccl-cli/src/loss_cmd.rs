@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use crate::error::Result;
 use clap::Args;
-use kccl::bcast::Path;
+use kccl::transport::Path;
 use kccl_testbed::bench::loss::{self, LossRecord, LossSpec};
 use kccl_testbed::bench::write_outputs;
 use kccl_testbed::progress::Progress;

@@ -1,25 +1,22 @@
-//! `kccl`: the command-line tool (cluster, broadcast, receive, aggregator,
-//! bench, demo).
+//! `kccl`: the command-line tool.  This file holds the command tree, its
+//! dispatch and the testbed commands (`cluster`, `fault`); each family of
+//! member commands has its own file (bcast_cmd.rs, agg_cmd.rs, sg_cmd.rs,
+//! the shared member arguments in member_args.rs), as do the demo and the
+//! benchmarks (loss_cmd.rs, peers_cmd.rs, suite_cmd.rs).
 
-use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use clap::{Args, Parser, Subcommand};
-use kccl::agg::{AggConfig, Aggregator};
-use kccl::bcast::{Broadcaster, Path, PathChoice, Receiver, Reliability};
-use kccl::group::{parse_ranks, Group};
-use kccl::netns;
 use kccl_testbed::bench::agg::Kind;
-use kccl_testbed::bench::{write_outputs, BcastHarness, BcastRecord};
 use kccl_testbed::cluster::{self, ClusterSpec};
 
 mod agg_cmd;
+mod bcast_cmd;
 mod demo;
 mod error;
 mod loss_cmd;
+mod member_args;
 mod peers_cmd;
 mod sg_cmd;
 mod signals;
@@ -43,17 +40,17 @@ enum Cmd {
     #[command(
         after_help = "Example: sudo kccl cluster exec h0 -- kccl broadcast --group /run/kccl/clusters/kccl/group.toml --rank 0 --to 1-9 model.bin"
     )]
-    Broadcast(BroadcastArgs),
+    Broadcast(bcast_cmd::BroadcastArgs),
     /// Receive broadcast messages and write them to stdout or a file.
     #[command(
         after_help = "Example: sudo kccl cluster exec h3 -- kccl receive --group /run/kccl/clusters/kccl/group.toml --rank 3 --count 1 --out model.bin"
     )]
-    Receive(ReceiveArgs),
+    Receive(bcast_cmd::ReceiveArgs),
     /// Run the group's allreduce aggregator (the rank named by `aggregator = <rank>`).
     #[command(
         after_help = "Example: sudo kccl cluster exec h0 -- kccl aggregator --group /run/kccl/clusters/kccl/group.toml --rank 0 --seconds 60"
     )]
-    Aggregator(AggregatorArgs),
+    Aggregator(agg_cmd::AggregatorArgs),
     /// Reduce a vector (generated or from a file) across the group to a root; the root prints a checksum.
     #[command(
         after_help = "Example: sudo kccl cluster exec h2 -- kccl reduce --group /run/kccl/clusters/kccl/group.toml --rank 2 --root 0 --count 1048576"
@@ -158,84 +155,11 @@ enum ClusterCmd {
     },
 }
 
-#[derive(Args)]
-struct MemberArgs {
-    /// Group file (TOML).
-    #[arg(long)]
-    group: PathBuf,
-    /// This process's rank.
-    #[arg(long)]
-    rank: u32,
-    /// kernel, user or auto (kernel if BPF can be loaded, else user).
-    #[arg(long, default_value = "auto")]
-    path: String,
-}
-
-#[derive(Args)]
-struct BroadcastArgs {
-    #[command(flatten)]
-    member: MemberArgs,
-    /// Destination ranks: "1-9", "1,3,5" or "all".
-    #[arg(long)]
-    to: String,
-    /// File to send, or - for stdin.
-    input: String,
-    /// Fail if a receiver has not confirmed the whole message after this many seconds.
-    #[arg(long, default_value_t = 10.0)]
-    deadline: f64,
-    /// Retransmission timeout in milliseconds (probe of a silent receiver; doubles up to 16x).
-    #[arg(long, default_value_t = 20.0)]
-    rto_ms: f64,
-    /// Fire-and-forget: do not wait for acknowledgments (plain UDP receivers).
-    #[arg(long)]
-    no_ack: bool,
-}
-
-#[derive(Args)]
-struct ReceiveArgs {
-    #[command(flatten)]
-    member: MemberArgs,
-    /// Acknowledge every N packets (group acknowledgment), 1..=8192.
-    #[arg(long, default_value_t = 1024)]
-    ack_group: u32,
-    /// Acknowledge every packet instead of every group.
-    #[arg(long)]
-    ack_per_packet: bool,
-    /// Report a gap in a message after it persisted this many milliseconds.
-    #[arg(long, default_value_t = 2.0)]
-    nak_delay_ms: f64,
-    /// Send no acknowledgments (for fire-and-forget senders).
-    #[arg(long)]
-    no_ack: bool,
-    /// Number of messages to receive before exiting (default: run until interrupted).
-    #[arg(long)]
-    count: Option<u64>,
-    /// Write messages here instead of stdout.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Give up after this many seconds without a complete message.
-    #[arg(long)]
-    timeout: Option<f64>,
-}
-
-#[derive(Args)]
-struct AggregatorArgs {
-    #[command(flatten)]
-    member: MemberArgs,
-    /// Stop after this many seconds (default: until SIGINT or SIGTERM; the
-    /// counters are printed either way).
-    #[arg(long)]
-    seconds: Option<f64>,
-    /// Also print the counters every this many seconds while serving.
-    #[arg(long, value_name = "SECONDS")]
-    stats_every: Option<f64>,
-}
-
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Broadcast latency and sender CPU, kernel vs user-space path, same run.
     #[command(after_help = "Example: sudo kccl bench broadcast --receivers 9 --sizes 1472 --iters 1000")]
-    Broadcast(BenchBroadcastArgs),
+    Broadcast(bcast_cmd::BenchBroadcastArgs),
     /// Reduce throughput (aggregated elements per second), kernel vs user path.
     #[command(after_help = "Example: sudo kccl bench reduce --senders 4 --sizes 67108864 --iters 5")]
     Reduce(agg_cmd::BenchAggArgs),
@@ -256,24 +180,6 @@ enum BenchCmd {
     All(suite_cmd::SuiteArgs),
 }
 
-#[derive(Args)]
-struct BenchBroadcastArgs {
-    #[arg(long, default_value = "1,3,5,7,9", value_delimiter = ',')]
-    receivers: Vec<usize>,
-    /// UDP payload bytes per packet (kccl header included), 41..=1472.
-    #[arg(long, default_value = "64,256,512,1024,1472", value_delimiter = ',')]
-    sizes: Vec<usize>,
-    #[arg(long, default_value_t = 1000)]
-    iters: usize,
-    #[arg(long, default_value = "bench-broadcast.json")]
-    json: PathBuf,
-    #[arg(long)]
-    plot: Option<PathBuf>,
-    /// Fast run for CI: few iterations, a few points.
-    #[arg(long)]
-    smoke: bool,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -288,14 +194,14 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
         Cmd::Cluster(c) => cluster_cmd(c),
-        Cmd::Broadcast(a) => broadcast(a).map(|_| ExitCode::SUCCESS),
-        Cmd::Receive(a) => receive(a).map(|_| ExitCode::SUCCESS),
-        Cmd::Aggregator(a) => aggregator(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Broadcast(a) => bcast_cmd::broadcast(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Receive(a) => bcast_cmd::receive(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Aggregator(a) => agg_cmd::aggregator(a).map(|_| ExitCode::SUCCESS),
         Cmd::Reduce(a) => agg_cmd::reduce(a).map(|_| ExitCode::SUCCESS),
         Cmd::Allreduce(a) => agg_cmd::allreduce(a).map(|_| ExitCode::SUCCESS),
         Cmd::SgWorker(a) => sg_cmd::worker(a).map(|_| ExitCode::SUCCESS),
         Cmd::Scatter(a) => sg_cmd::scatter(a).map(|_| ExitCode::SUCCESS),
-        Cmd::Bench(BenchCmd::Broadcast(a)) => bench_broadcast(a).map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(BenchCmd::Broadcast(a)) => bcast_cmd::bench_broadcast(a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Reduce(a)) => agg_cmd::bench(Kind::Reduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Allreduce(a)) => agg_cmd::bench(Kind::Allreduce, a).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(BenchCmd::Cpu(a)) => agg_cmd::bench_cpu(a).map(|_| ExitCode::SUCCESS),
@@ -378,224 +284,6 @@ fn fault_cmd(a: FaultArgs) -> Result<()> {
         a.seed,
         dir.display(),
         a.host
-    );
-    Ok(())
-}
-
-/// Loads the group and, for a member of a local virtual cluster, enters its
-/// namespace (setns keeps /sys/fs/bpf visible, unlike `ip netns exec`).
-fn member_setup(m: &MemberArgs) -> Result<(Group, u16, PathChoice)> {
-    let group = Group::load(&m.group)?;
-    let me = group.member(m.rank)?;
-    if let Some(ns) = &me.netns {
-        if netns::path(ns).exists() {
-            netns::enter(ns)?;
-        } else {
-            eprintln!("kccl: namespace {ns} of rank {} does not exist here: staying in this namespace", me.rank);
-        }
-    }
-    Ok((group.clone(), me.rank, m.path.parse()?))
-}
-
-fn broadcast(a: BroadcastArgs) -> Result<()> {
-    let (group, rank, choice) = member_setup(&a.member)?;
-    let ranks = parse_ranks(&a.to, &group, rank)?;
-    let dests = group.destinations(rank, &ranks)?;
-    let mut data = Vec::new();
-    if a.input == "-" {
-        std::io::stdin().read_to_end(&mut data).map_err(|e| Error::io("reading stdin", e))?;
-    } else {
-        data = std::fs::read(&a.input).map_err(|e| Error::io(format!("reading {}", a.input), e))?;
-    }
-    let mut b = Broadcaster::new(&group, rank, choice)?;
-    eprintln!("kccl: {}", b.path_reason());
-    let secs = |what: &str, v: f64| -> Result<Duration> {
-        Duration::try_from_secs_f64(v)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| Error::Usage(format!("--{what} {v}: must be a positive number")))
-    };
-    let rto = secs("rto-ms", a.rto_ms / 1000.0)?;
-    b.set_reliability(Reliability {
-        enabled: !a.no_ack,
-        rto,
-        rto_max: rto * 16,
-        deadline: secs("deadline", a.deadline)?,
-        ..Reliability::default()
-    })?;
-    let r = b.broadcast(&data, &dests)?;
-    eprintln!(
-        "kccl: sent {} bytes as message {} to {} ranks over the {} path ({} datagrams from user space, {} fallback copies)",
-        data.len(),
-        r.seq,
-        dests.len(),
-        r.path,
-        r.datagrams,
-        r.fallback_copies
-    );
-    if !a.no_ack {
-        eprintln!(
-            "kccl: every receiver confirmed after {:.1} ms ({} acknowledgments, {} packet copies re-sent, {} timeouts)",
-            r.confirm_time.as_secs_f64() * 1e3,
-            r.acks,
-            r.retransmitted,
-            r.timeouts
-        );
-    }
-    if let Some(f) = b.fanout() {
-        let s = f.stats()?;
-        if s.missed > 0 {
-            eprintln!("kccl: the kernel fan-out left {} copies to user space (unresolved neighbours)", s.missed);
-        }
-    }
-    Ok(())
-}
-
-fn receive(a: ReceiveArgs) -> Result<()> {
-    let (group, rank, choice) = member_setup(&a.member)?;
-    if choice == PathChoice::Kernel {
-        eprintln!("kccl: receivers use an ordinary UDP socket on both paths");
-    }
-    let mut r = Receiver::new(&group, rank)?;
-    let nak = Duration::try_from_secs_f64(a.nak_delay_ms / 1000.0)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| Error::Usage(format!("--nak-delay-ms {}: must be a positive number", a.nak_delay_ms)))?;
-    r.set_reliability(Reliability {
-        enabled: !a.no_ack,
-        ack_group: a.ack_group,
-        per_packet: a.ack_per_packet,
-        nak_delay: nak,
-        ..Reliability::default()
-    })?;
-    let mut out: Box<dyn Write> = match &a.out {
-        Some(p) => Box::new(std::fs::File::create(p).map_err(|e| Error::io(format!("creating {}", p.display()), e))?),
-        None => Box::new(std::io::stdout().lock()),
-    };
-    let timeout = a.timeout.map(Duration::from_secs_f64);
-    let mut n = 0u64;
-    while a.count.is_none_or(|c| n < c) {
-        let m = match r.recv(timeout) {
-            Ok(m) => m,
-            Err(e) => {
-                eprintln!("kccl: receive counters: {}", serde_json::to_string(&r.stats()).unwrap_or_default());
-                return Err(e.into());
-            }
-        };
-        out.write_all(&m.data).map_err(|e| Error::io("writing received data", e))?;
-        out.flush().map_err(|e| Error::io("writing received data", e))?;
-        eprintln!("kccl: message {} from rank {}: {} bytes", m.seq, m.src_rank, m.data.len());
-        n += 1;
-    }
-    // Keep acknowledging for a moment: the sender may still be waiting for
-    // a lost acknowledgment of the last message.
-    let linger = Instant::now() + Duration::from_millis(200);
-    while !a.no_ack && Instant::now() < linger {
-        if let Ok(m) = r.recv(Some(linger.saturating_duration_since(Instant::now()))) {
-            eprintln!("kccl: message {} from rank {} after --count: not written", m.seq, m.src_rank);
-        }
-    }
-    let s = r.stats();
-    if s.dropped() + s.evicted + s.duplicates + s.after_complete > 0 {
-        eprintln!("kccl: receive counters: {}", serde_json::to_string(&s).unwrap_or_default());
-    }
-    Ok(())
-}
-
-fn aggregator(a: AggregatorArgs) -> Result<()> {
-    let (group, rank, choice) = member_setup(&a.member)?;
-    let every = match a.stats_every {
-        Some(s) if !(s > 0.0 && s.is_finite()) => {
-            return Err(Error::Usage(format!("--stats-every {s}: give a positive number of seconds")))
-        }
-        s => s.map(Duration::from_secs_f64),
-    };
-    let mut agg = Aggregator::new(&group, rank, choice, AggConfig::default())?;
-    signals::stop_on_signals()?;
-    eprintln!("kccl: {}", agg.path_reason());
-    eprintln!("kccl: aggregating allreduce of group '{}' (job {}) as rank {rank}", group.name, group.job_id);
-    let end = a.seconds.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
-    let mut next_report = every.map(|e| Instant::now() + e);
-    while !signals::stop_requested() && end.is_none_or(|e| Instant::now() < e) {
-        agg.serve_once(Duration::from_millis(100))?;
-        if let (Some(at), Some(e)) = (next_report, every) {
-            if Instant::now() >= at {
-                print_aggregator_counters(&agg)?;
-                next_report = Some(at + e);
-            }
-        }
-    }
-    print_aggregator_counters(&agg)
-}
-
-/// The aggregator's counters: its user-space side as JSON (for scripts), and
-/// on the kernel path xdp_agg's and tc_agg_result's by name (the non-zero
-/// ones: drops of non-members, other jobs, malformed packets, fan-out misses
-/// need no bpftool).
-fn print_aggregator_counters(agg: &Aggregator) -> Result<()> {
-    let json = |v: serde_json::Result<serde_json::Value>| v.map_err(|e| Error::Usage(format!("counters as JSON: {e}")));
-    eprintln!("kccl: aggregator counters: {}", json(serde_json::to_value(agg.stats()))?);
-    match agg.kernel_stats()? {
-        None => eprintln!("kccl: kernel counters: none (the user-space path serves this aggregator)"),
-        Some(k) => eprintln!(
-            "kccl: kernel counters (xdp_agg, tc_agg_result): {}",
-            nonzero_fields(&json(serde_json::to_value(k))?)
-        ),
-    }
-    Ok(())
-}
-
-/// `name=value` of the non-zero numeric fields of a JSON object, or "all zero".
-fn nonzero_fields(v: &serde_json::Value) -> String {
-    let parts: Vec<String> = v
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(_, x)| x.as_u64().is_some_and(|n| n != 0))
-        .map(|(k, x)| format!("{k}={x}"))
-        .collect();
-    if parts.is_empty() {
-        "all zero".into()
-    } else {
-        parts.join(" ")
-    }
-}
-
-fn bench_broadcast(mut a: BenchBroadcastArgs) -> Result<()> {
-    if a.smoke {
-        a.receivers = vec![1, 3];
-        a.sizes = vec![64, 1472];
-        a.iters = 50;
-    }
-    if let Some(&bad) =
-        a.sizes.iter().find(|&&s| !(kccl::wire::HDR_LEN + 1..=kccl::wire::MAX_UDP_PAYLOAD_1500).contains(&s))
-    {
-        return Err(Error::Usage(format!(
-            "size {bad}: sizes are UDP payload bytes per packet, {}..={}",
-            kccl::wire::HDR_LEN + 1,
-            kccl::wire::MAX_UDP_PAYLOAD_1500
-        )));
-    }
-    let max = a.receivers.iter().copied().max().unwrap_or(1).max(1);
-    let h = BcastHarness::new(&cluster::unique_name("bench"), max)?;
-    println!("{}", kccl_testbed::bench::BCAST_LEGEND);
-    let records: Vec<BcastRecord> = h.with_sender(PathChoice::Kernel, |h, b| {
-        let mut all = Vec::new();
-        for &size in &a.sizes {
-            for &n in &a.receivers {
-                let rows = h.measure(b, &[Path::Kernel, Path::User], n, size, a.iters)?;
-                kccl_testbed::bench::print_rows(&rows);
-                all.extend(rows);
-            }
-        }
-        Ok(all)
-    })?;
-    drop(h);
-    write_outputs(&records, &a.json, a.plot.as_deref(), "broadcast")?;
-    println!(
-        "wrote {}{}",
-        a.json.display(),
-        a.plot.as_ref().map(|p| format!(" and {}", p.display())).unwrap_or_default()
     );
     Ok(())
 }

@@ -9,7 +9,8 @@ use kccl::group::parse_ranks;
 use kccl::sg::{self, Combine, Coordinator, Elem, Gathered, Policy, Request, Spec, Value, Worker};
 
 use crate::error::{Error, Result};
-use crate::{member_setup, signals, MemberArgs};
+use crate::member_args::{member_setup, MemberArgs};
+use crate::signals;
 
 #[derive(Args)]
 pub struct SgWorkerArgs {

@@ -5,7 +5,7 @@
 //! whether kccl works on this machine.  A newcomer reads this block, not the
 //! rows of figures above it.
 
-use kccl::bcast::Path;
+use kccl::transport::Path;
 
 use crate::error::Error;
 

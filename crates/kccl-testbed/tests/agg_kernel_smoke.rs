@@ -23,9 +23,11 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::time::{Duration, Instant};
 
-use kccl::agg::{AggConfig, Aggregator, Path, PathChoice};
+use kccl::agg::{AggConfig, Aggregator};
+
 use kccl::kernel_agg::{AggEngine, AggEngineConfig, AggStats};
 use kccl::netns;
+use kccl::transport::{Path, PathChoice};
 use kccl::wire::{Header, F_ALLREDUCE, F_FANOUT, F_LAST_FRAG, MAGIC, T_AGG, T_AGG_ACK, T_AGG_RESULT, VERSION};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 

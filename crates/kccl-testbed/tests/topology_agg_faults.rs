@@ -34,11 +34,13 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kccl::agg::{AggConfig, AggOp, Aggregator, Collective, PathChoice};
+use kccl::agg::{AggConfig, AggOp, Aggregator, Collective};
+
 use kccl::error::Error;
 use kccl::fault::{self, FaultConfig};
 use kccl::group::Group;
 use kccl::netns;
+use kccl::transport::PathChoice;
 use kccl::wire::{Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, VERSION};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 

@@ -47,10 +47,11 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use kccl::agg::user::AggStats;
-use kccl::agg::{abort, quant, AggConfig, AggOp, Aggregator, Collective, Element, Path, PathChoice, Quant};
+use kccl::agg::{abort, quant, AggConfig, AggOp, Aggregator, Collective, Element, Quant};
 use kccl::error::Error;
 use kccl::group::{Group, Member};
 use kccl::netns;
+use kccl::transport::{Path, PathChoice};
 use kccl::wire::{AbortReason, Header, DT_I32, F_ALLREDUCE, F_LAST_FRAG, OP_SUM, T_AGG, T_AGG_ABORT, VERSION};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 

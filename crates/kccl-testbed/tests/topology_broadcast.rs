@@ -43,11 +43,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kccl::bcast::{Broadcaster, Message, Path, PathChoice, Receiver, RecvStats, Reliability, SendReport};
+use kccl::bcast::{Broadcaster, Message, Receiver, RecvStats, Reliability, SendReport};
+
 use kccl::error::Error;
 use kccl::group::Group;
 use kccl::kernel::BcastStats;
 use kccl::netns;
+use kccl::transport::{Path, PathChoice};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 
 #[path = "../../kccl/tests/support/mod.rs"]

@@ -38,11 +38,13 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kccl::bcast::{Broadcaster, Message, Path, PathChoice, Receiver, RecvStats, Reliability, SenderStats};
+use kccl::bcast::{Broadcaster, Message, Receiver, RecvStats, Reliability, SenderStats};
+
 use kccl::error::Error;
 use kccl::fault::{self, FaultConfig, FaultStats};
 use kccl::group::Group;
 use kccl::netns;
+use kccl::transport::{Path, PathChoice};
 use kccl::wire::{BcastAck, Header, ACK_COMPLETE, HDR_LEN, T_BCAST, T_BCAST_ACK, VERSION};
 use kccl_testbed::bench::fnv1a;
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};

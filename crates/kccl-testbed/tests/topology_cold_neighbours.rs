@@ -28,10 +28,12 @@
 
 use std::time::Duration;
 
-use kccl::agg::{AggConfig, AggOp, PathChoice};
-use kccl::bcast::Path;
+use kccl::agg::{AggConfig, AggOp};
+
 use kccl::group::Group;
 use kccl::netns;
+use kccl::transport::Path;
+use kccl::transport::PathChoice;
 use kccl_testbed::bench::agg::{AggHarness, Kind};
 use kccl_testbed::bench::BcastHarness;
 use kccl_testbed::cluster::{self, ClusterSpec, Neighbours};

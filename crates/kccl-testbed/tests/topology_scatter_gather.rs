@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kccl::bcast::{Path, PathChoice};
 use kccl::fault::{self, FaultConfig};
 use kccl::group::Group;
 use kccl::netns;
@@ -39,6 +38,7 @@ use kccl::sg::{
     encode_i32, sample_sum, sample_vector, Combine, Coordinator, Elem, Gathered, Outcome, Policy, Request, Spec, Value,
     Worker,
 };
+use kccl::transport::{Path, PathChoice};
 use kccl_testbed::cluster::{self, ClusterGuard, ClusterSpec};
 
 #[path = "../../kccl/tests/support/mod.rs"]

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kccl::bcast::PathChoice;
 use kccl::group::{Group, Member};
 use kccl::sg::{
     encode_i32, encode_i64, sample_vector as vector, Combine, Coordinator, Elem, Outcome, Policy, Request, Spec, Value,
     Worker,
 };
+use kccl::transport::PathChoice;
 use kccl::wire::{self, Header, F_LAST_FRAG, HDR_LEN, T_SG_REPLY};
 
 const JOB: u32 = 77;

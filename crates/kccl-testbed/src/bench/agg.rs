@@ -24,9 +24,9 @@ use crate::bench::wire::{self, HostWire, WireBytes};
 use crate::cluster::{ClusterGuard, ClusterSpec};
 use crate::error::{Error, Result};
 use kccl::agg::{quant, AggConfig, AggOp, Aggregator, AllreduceMode, Collective, Element};
-use kccl::bcast::{thread_cpu_time, Path, PathChoice};
 use kccl::group::Group;
 use kccl::netns;
+use kccl::transport::{thread_cpu_time, Path, PathChoice};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

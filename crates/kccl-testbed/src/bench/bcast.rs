@@ -20,9 +20,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::cluster::{ClusterGuard, ClusterSpec};
 use crate::error::{Error, Result};
-use kccl::bcast::{thread_cpu_time, Broadcaster, Path, PathChoice, Receiver};
+use kccl::bcast::{Broadcaster, Receiver};
 use kccl::group::Group;
 use kccl::netns;
+use kccl::transport::{thread_cpu_time, Path, PathChoice};
 use kccl::wire::HDR_LEN;
 
 use super::{fnv1a, percentile, process_cpu_time};

@@ -15,7 +15,7 @@ use super::agg::{check, enter_host, guarded, poisoned, rank_data, serve_until, C
 use crate::cluster::{ClusterGuard, ClusterSpec};
 use crate::error::{Error, Result};
 use kccl::agg::{AggConfig, AggOp, Collective};
-use kccl::bcast::{thread_cpu_time, Path, PathChoice};
+use kccl::transport::{thread_cpu_time, Path, PathChoice};
 
 /// Aggregator CPU under a paced load (`kccl bench cpu`): `senders` ranks
 /// reduce a `bytes` vector to host 0 every `period`, for `duration`.

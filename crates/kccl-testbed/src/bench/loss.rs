@@ -20,9 +20,9 @@ use crate::bench::{percentile, BcastHarness};
 use crate::cluster;
 use crate::error::{Error, Result};
 use kccl::agg::{AggConfig, AggOp};
-use kccl::bcast::{Path, PathChoice};
 use kccl::fault::{self, FaultConfig, FaultStats};
 use kccl::group::Group;
+use kccl::transport::{Path, PathChoice};
 
 /// What to measure.
 #[derive(Debug, Clone)]

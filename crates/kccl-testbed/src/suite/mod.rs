@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::peers::{self, DType, Peer, PeerError, PeerOp, PeerResult, PeerSpec};
 use crate::progress::Progress;
 use kccl::agg::{AggConfig, AggOp, AllreduceMode};
-use kccl::bcast::{Path, PathChoice};
+use kccl::transport::{Path, PathChoice};
 
 mod agg;
 mod bcast;

@@ -15,7 +15,7 @@ use std::net::SocketAddrV4;
 
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::sock::{BatchSocket, Datagram};
+use crate::transport::sock::{BatchSocket, Datagram};
 use crate::wire::{AbortReason, Header, AGG_ABORT_MAX_TEXT, F_LAST_FRAG, HDR_LEN, T_AGG_ABORT, VERSION};
 
 /// An abort received for the current call.

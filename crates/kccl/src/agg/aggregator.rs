@@ -1,21 +1,18 @@
-//! The allreduce aggregator service (a rank that does not contribute) and a
-//! member's serving of contributions after its last call.
+//! The allreduce aggregator service: a rank that does not contribute,
+//! combines every member's contributions and answers each with the result.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::group::{Group, Member};
-use crate::sock::{BatchSocket, RecvBatch};
-use crate::wire::HDR_LEN;
+use crate::transport::sock::{BatchSocket, RecvBatch};
+use crate::transport::{Path, PathChoice};
 
-use super::backend::{make_backend, resolve_config, AggBackend};
+use super::backend::AggBackend;
 use super::config::AggConfig;
-use super::dispatch::pump;
-use super::root::RootSink;
+use super::endpoint::{Endpoint, Role};
 use super::user::{AggStats, AllreduceOnly, MismatchEvent};
-use super::Collective;
-use crate::bcast::{Path, PathChoice};
 
 /// The allreduce aggregator service: combines the contributions of every
 /// member (all ranks but this one) and answers each with the result.
@@ -30,27 +27,8 @@ pub struct Aggregator {
 impl Aggregator {
     /// The service of rank `rank`, which must be the group's `aggregator`.
     pub fn new(group: &Group, rank: u16, choice: PathChoice, cfg: AggConfig) -> Result<Aggregator> {
-        let me = group.member(rank.into())?.clone();
-        match group.aggregator {
-            Some(a) if a == rank => {}
-            Some(a) => {
-                return Err(Error::Usage(format!(
-                    "rank {rank} is not the group's aggregator (the group file says aggregator = {a})"
-                )))
-            }
-            None => {
-                return Err(Error::Usage(format!(
-                    "the group file names no aggregator: add `aggregator = {rank}` so that members send to this rank"
-                )))
-            }
-        }
-        let chunk = resolve_config(group, &me, &cfg)?;
-        let sock = BatchSocket::bind(me.addr, me.port, 256 << 20, 64 << 20)?;
-        if cfg.gso {
-            sock.enable_gso();
-        }
-        let rb = RecvBatch::new(crate::sock::MAX_BATCH, HDR_LEN + chunk);
-        let (backend, reason) = make_backend(group, &me, &cfg, chunk, choice)?;
+        let Endpoint { me, sock, rb, backend, reason, .. } =
+            Endpoint::open(group, rank, choice, &cfg, Role::Aggregator)?;
         Ok(Aggregator { me, sock, rb, backend, reason })
     }
 
@@ -123,26 +101,5 @@ impl Aggregator {
         // Aborts it decided on (mismatches the kernel passed up) go now.
         backend.user_mut().flush(sock)?;
         Ok(n)
-    }
-}
-
-impl Collective {
-    /// Serves the aggregator role for `d` without running an operation:
-    /// answers retransmissions of finished chunks and takes early
-    /// contributions.  A reduce root can linger with it after its last call
-    /// so that a contributor whose ACK was lost still finishes.
-    pub fn serve_for(&mut self, d: Duration) -> Result<()> {
-        let end = Instant::now() + d;
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(());
-            }
-            let mut sink = RootSink::new(&mut self.stash, self.calls.wrapping_sub(1), self.cfg.nslots, None);
-            let wait = left.min(Duration::from_millis(50));
-            let r = pump(&self.sock, &mut self.rb, &mut self.backend, &mut self.stats, wait, false, None, &mut sink);
-            sink.count_into(&mut self.stats);
-            r?;
-        }
     }
 }

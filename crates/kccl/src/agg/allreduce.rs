@@ -246,7 +246,7 @@ impl Collective {
         let t0 = Instant::now();
         let mut rto = self.cfg.rto;
         loop {
-            self.sock.send_all(&[crate::sock::Datagram { to: agg, head: &hb, body: &[] }])?;
+            self.sock.send_all(&[crate::transport::sock::Datagram { to: agg, head: &hb, body: &[] }])?;
             let until = Instant::now() + rto;
             while let Some(left) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
                 let n = self.sock.recv_batch(&mut self.rb, Some(left))?;

@@ -9,13 +9,13 @@ use crate::chunk;
 use crate::error::{Error, Result};
 use crate::group::{Group, Member};
 use crate::netns;
-use crate::sock::{Datagram, DatagramOut};
+use crate::transport::sock::{Datagram, DatagramOut};
 
 use super::config::{AggConfig, OwnShardStats};
 #[cfg(feature = "kernel-agg")]
 use super::kernel_backend;
 use super::user::{AggSink, UserAggConfig, UserAggregator};
-use crate::bcast::{Path, PathChoice};
+use crate::transport::{Path, PathChoice};
 
 /// Aggregator backends behind one interface: user space always, the kernel
 /// when built with `kernel-agg` and loaded.

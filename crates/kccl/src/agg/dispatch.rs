@@ -5,14 +5,14 @@ use std::net::SocketAddrV4;
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::sock::{BatchSocket, RecvBatch};
+use crate::transport::sock::{BatchSocket, RecvBatch};
 use crate::wire::{Header, T_AGG, T_AGG_ABORT, T_AGG_ACK, T_AGG_ACKS, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT};
 
 use super::backend::AggBackend;
 use super::config::CollectiveStats;
 use super::member::Contributor;
 use super::user::AggSink;
-use crate::bcast::Path;
+use crate::transport::Path;
 
 /// Where RESULT chunks go: (contributor, chunk, payload, overflow); the
 /// contributor is the index into the slice of contributors pump drives.

@@ -24,7 +24,7 @@ use crate::group::{Group, Member};
 use crate::kernel::MissReason;
 use crate::kernel_agg::{AggEngine, AggEngineConfig, SlotState};
 use crate::netns;
-use crate::sock::Datagram;
+use crate::transport::sock::Datagram;
 
 use super::own_shard::OwnShard;
 

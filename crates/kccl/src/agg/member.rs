@@ -73,7 +73,7 @@ use crate::agg::abort::{Abort, Peers, Received};
 use crate::agg::codec::Enc;
 use crate::agg::packet::{chunk_count, chunk_len, contribution_header};
 use crate::error::{Error, Result};
-use crate::sock::{Datagram, DatagramOut};
+use crate::transport::sock::{Datagram, DatagramOut};
 use crate::wire::{
     Header, AGG_ACKS_MAX_BYTES, F_ACK_LATER, F_ALLREDUCE, F_OVERFLOW, F_USER_ONLY, HDR_LEN, T_AGG_ACK, T_AGG_ACKS,
     T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, VERSION,
@@ -902,8 +902,8 @@ mod tests {
     use super::*;
     use crate::agg::user::{AllreduceOnly, UserAggConfig, UserAggregator};
     use crate::group::{Group, Member};
-    use crate::sock::BatchSocket;
-    use crate::sock::RecvBatch;
+    use crate::transport::sock::BatchSocket;
+    use crate::transport::sock::RecvBatch;
     use crate::wire::{OP_SUM, T_AGG};
     use std::net::{Ipv4Addr, UdpSocket};
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -20,13 +20,15 @@
 //! overflowed).  Members must make the same sequence of calls (as in MPI);
 //! a failed call does not shift the ids of later ones.
 //!
-//! Files by role: what is reduced (op.rs) and configured (config.rs); how a
-//! vector becomes chunks (codec.rs, quant.rs); the sender (send.rs, with its
+//! Files by role: the member handle (collective.rs) and the one constructor
+//! of a member process (endpoint.rs); the operations, one file each
+//! (reduce.rs, allreduce.rs, serving between and after calls in serve.rs);
+//! what is reduced (op.rs) and configured (config.rs); how a vector becomes
+//! chunks (codec.rs, quant.rs); the contributor side (contribute.rs, with its
 //! window, retransmission and deadlines in member.rs); the reduce root
-//! (root.rs); allreduce and its redo (allreduce.rs); one receive batch
-//! dispatched by role (dispatch.rs); the backends (backend.rs: user space in
-//! user/, the kernel in kernel_backend.rs); the aggregator service
-//! (aggregator.rs).
+//! (root.rs); one receive batch dispatched by role (dispatch.rs); the
+//! backends (backend.rs: user space in user/, the kernel in
+//! kernel_backend.rs); the aggregator service (aggregator.rs).
 
 pub mod abort;
 pub mod codec;
@@ -38,299 +40,37 @@ pub mod user;
 mod aggregator;
 mod allreduce;
 mod backend;
+mod collective;
 mod config;
+mod contribute;
 mod dispatch;
+mod endpoint;
 mod op;
+mod reduce;
 mod root;
-mod send;
+mod serve;
 
 #[cfg(feature = "kernel-agg")]
 mod kernel_backend;
 #[cfg(feature = "kernel-agg")]
 mod own_shard;
 
-use std::net::SocketAddrV4;
-
-use crate::error::{Error, Result};
-use crate::group::{Group, Member};
-use crate::sock::{BatchSocket, RecvBatch};
-use crate::wire::{HDR_LEN, MASK_BITS};
-
-pub use crate::bcast::{Path, PathChoice};
 pub use aggregator::Aggregator;
 pub use allreduce::shard_chunks;
+pub use collective::Collective;
 pub use config::{AggConfig, AllreduceMode, CollectiveStats, OwnShardStats, SendReport};
 pub use op::{AggOp, DType, Element, Quant};
 
-use backend::{make_backend, resolve_config, AggBackend};
-use member::{Cwnd, Timing};
-use root::{RootDone, Stash};
-use user::MismatchEvent;
-
-/// Contributor window: ranks and their 64-rank mask.
-#[derive(Debug, Clone, Copy)]
-struct Contributors {
-    base: u16,
-    mask: u64,
-    count: usize,
-}
-
-fn contributors(group: &Group, what: &str, exclude: &[u16]) -> Result<Contributors> {
-    let ranks: Vec<u16> = group.members.iter().map(|m| m.rank).filter(|r| !exclude.contains(r)).collect();
-    let (Some(&first), Some(&last)) = (ranks.first(), ranks.last()) else {
-        return Ok(Contributors { base: 0, mask: 0, count: 0 });
-    };
-    let base = first / MASK_BITS as u16 * MASK_BITS as u16;
-    if ranks.len() > MASK_BITS || last - base >= MASK_BITS as u16 {
-        return Err(Error::TooManyContributors { what: what.into(), count: ranks.len(), first, last, base });
-    }
-    let mask = ranks.iter().fold(0u64, |m, r| m | 1 << (r - base));
-    Ok(Contributors { base, mask, count: ranks.len() })
-}
-
-/// One member process of a group.
-pub struct Collective {
-    group: Group,
-    me: Member,
-    cfg: AggConfig,
-    chunk: usize,
-    sock: BatchSocket,
-    rb: RecvBatch,
-    backend: AggBackend,
-    reason: String,
-    /// Calls made so far (the next call's number).
-    calls: u32,
-    stash: Stash,
-    stats: CollectiveStats,
-    scratch: Vec<i64>,
-    /// AIMD window toward each aggregating rank, kept across operations.
-    cwnds: std::collections::HashMap<u16, Cwnd>,
-    /// Ranks left out of every contributor set (Collective::exclude_ranks).
-    excluded: Vec<u16>,
-    /// The last operation this member combined (a reduce as its root, or
-    /// its shard of a sharded allreduce), for settle().
-    last_served: Option<RootDone>,
-    /// Whether the first call's number was agreed with an aggregator
-    /// (KCCL_T_AGG_SYNC).
-    synced: bool,
-    /// Another member's abort of a call this member had not started when
-    /// it arrived: (the call's first op id, the abort).
-    abort_ahead: Option<(u32, abort::Abort)>,
-}
-
-fn chunk_list(cs: &[usize]) -> String {
-    let shown: Vec<String> = cs.iter().take(8).map(|c| c.to_string()).collect();
-    let more = if cs.len() > 8 { format!(" and {} more", cs.len() - 8) } else { String::new() };
-    format!("{}{more}", shown.join(", "))
-}
-
-/// The message (prefix + data) must fit the header's 32-bit msg_len.
-fn check_len<T: Element>(what: &str, len: usize, prefix: usize) -> Result<()> {
-    let bytes = (len + prefix).saturating_mul(T::DTYPE.elem_size());
-    if bytes > u32::MAX as usize {
-        return Err(Error::Usage(format!(
-            "{what}: {bytes} wire bytes exceed the 32-bit message length of the header; split the tensor"
-        )));
-    }
-    Ok(())
-}
-
-impl Collective {
-    /// Rank `rank`'s member process, in the calling thread's network
-    /// namespace (binds the group's address and port of the rank).
-    pub fn new(group: &Group, rank: u16, choice: PathChoice, cfg: AggConfig) -> Result<Collective> {
-        let me = group.member(rank.into())?.clone();
-        if group.aggregator == Some(rank) {
-            return Err(Error::Usage(format!(
-                "rank {rank} is the group's allreduce aggregator (aggregator = {rank}): run the Aggregator service \
-                 (`kccl aggregator`) there, not a Collective"
-            )));
-        }
-        let chunk = resolve_config(group, &me, &cfg)?;
-        let sock = BatchSocket::bind(me.addr, me.port, 64 << 20, 16 << 20)?;
-        if cfg.gso {
-            sock.enable_gso();
-        }
-        let rb = RecvBatch::new(crate::sock::MAX_BATCH, HDR_LEN + chunk);
-        let (backend, reason) = make_backend(group, &me, &cfg, chunk, choice)?;
-        backend.watch_socket(std::os::fd::AsRawFd::as_raw_fd(&sock))?;
-        Ok(Collective {
-            group: group.clone(),
-            me,
-            cfg,
-            chunk,
-            sock,
-            rb,
-            backend,
-            reason,
-            calls: 0,
-            stash: Stash::default(),
-            stats: CollectiveStats::default(),
-            scratch: Vec::with_capacity(chunk / 4),
-            cwnds: Default::default(),
-            excluded: Vec::new(),
-            last_served: None,
-            synced: false,
-            abort_ahead: None,
-        })
-    }
-
-    /// Runs the following operations without `ranks` (e.g. the ones an
-    /// Error::MembersMissing named): they are left out of every contributor
-    /// set.  Every remaining member must exclude the same ranks before its
-    /// next call (their contributor masks must agree), and the excluded
-    /// ranks must not call again.  A reduce root cannot be excluded.
-    pub fn exclude_ranks(&mut self, ranks: &[u16]) -> Result<()> {
-        if ranks.contains(&self.me.rank) {
-            return Err(Error::Usage(format!("rank {} cannot exclude itself", self.me.rank)));
-        }
-        for &r in ranks {
-            self.group.member(r.into())?;
-            if !self.excluded.contains(&r) {
-                self.excluded.push(r);
-            }
-        }
-        Ok(())
-    }
-
-    /// Ranks excluded with [`exclude_ranks`](Self::exclude_ranks).
-    pub fn excluded_ranks(&self) -> &[u16] {
-        &self.excluded
-    }
-
-    pub fn rank(&self) -> u16 {
-        self.me.rank
-    }
-
-    /// The path of this member's aggregator role (reduce root).  Contributions
-    /// are the same packets on both paths.
-    pub fn path(&self) -> Path {
-        self.backend.path()
-    }
-
-    /// Why this path is in use.
-    pub fn path_reason(&self) -> &str {
-        &self.reason
-    }
-
-    pub fn chunk_bytes(&self) -> usize {
-        self.chunk
-    }
-
-    pub fn config(&self) -> &AggConfig {
-        &self.cfg
-    }
-
-    pub fn stats(&self) -> CollectiveStats {
-        CollectiveStats { agg: self.backend.user().stats(), own_shard: self.backend.own_shard_stats(), ..self.stats }
-    }
-
-    /// Mismatching contributions this member's aggregator role refused.
-    pub fn take_mismatches(&mut self) -> Vec<MismatchEvent> {
-        self.backend.user_mut().take_mismatches()
-    }
-
-    /// Counters of xdp_agg/tc_agg_result (None on the user path).
-    #[cfg(feature = "kernel-agg")]
-    pub fn kernel_stats(&self) -> Result<Option<crate::kernel_agg::AggStats>> {
-        self.backend.kernel_stats()
-    }
-
-    fn timing(&self) -> Timing {
-        Timing { window: self.cfg.window_chunks(self.chunk), rto: self.cfg.rto, deadline: self.cfg.deadline }
-    }
-
-    fn next_call(&mut self) -> u32 {
-        let k = self.calls;
-        self.calls = self.calls.wrapping_add(1);
-        self.stats.calls += 1;
-        k
-    }
-
-    /// reduce: combines every member's `data` with `op` at `root`.  Returns
-    /// Some(result) on the root (its own data folded in), None elsewhere.
-    /// Members: every rank of the group but the allreduce aggregator.
-    pub fn reduce<T: Element>(&mut self, data: &[T], op: AggOp, root: u16) -> Result<Option<Vec<T>>> {
-        if root == self.me.rank {
-            self.root_collect(data.len(), op, Some(data)).map(Some)
-        } else {
-            self.send_aggregated_data(data, op, root).map(|_| None)
-        }
-    }
-
-    /// reduce into the caller's buffer, as torch.distributed's reduce
-    /// writes into its tensor: on the root, `out` (as long as `data`)
-    /// receives the result and the call returns true; elsewhere `out` is
-    /// left alone and the call returns false.  Reusing `out` across calls
-    /// saves a fresh result's page faults.
-    pub fn reduce_into<T: Element>(&mut self, data: &[T], op: AggOp, root: u16, out: &mut [T]) -> Result<bool> {
-        if root != self.me.rank {
-            return self.send_aggregated_data(data, op, root).map(|_| false);
-        }
-        if out.len() != data.len() {
-            return Err(Error::Usage(format!(
-                "reduce_into at root {root}: the output holds {} elements, the input {}; they must match",
-                out.len(),
-                data.len()
-            )));
-        }
-        self.root_collect_into(op, Some(data), out).map(|()| true)
-    }
-
-    fn protocol_error(&self, what: &str, msg: &str) -> Error {
-        Error::Usage(format!("{what}: {msg} (protocol error; check that every member runs the same kccl version)"))
-    }
-
-    /// Tells the call's other members (contributors in `set` and the
-    /// aggregator or root `agg`) that the call cannot complete when `e` is
-    /// an error of this member's own part of it (abort.rs), then returns
-    /// `e`.  Best effort: a lost abort leaves them their deadline error.
-    fn announce(&mut self, call: u32, set: Contributors, agg: u16, e: Error) -> Error {
-        if let Some(reason) = abort::reason_of(&e) {
-            let peers = abort::Peers::of(&self.group, call * 4, set.base, set.mask, agg, self.me.rank);
-            let d = peers.abort_datagram(self.me.rank, set.base, set.mask, reason, &e.to_string());
-            if peers.send(&self.sock, &d).is_ok() {
-                self.stats.aborts_sent += 1;
-            }
-            // This member's own aggregator slots of the call (a reduce
-            // root's) will not complete either.  Best effort, like the
-            // abort: if it fails, the sweep frees them after the slot
-            // timeout; the error reported is the call's.
-            let _ = self.backend.free_call(call * 4);
-            // A reduce root also answers the call's late contributions
-            // (a contributor that missed this datagram) with it.
-            if agg == self.me.rank {
-                self.backend.keep_abort(call * 4, d);
-            }
-        }
-        e
-    }
-
-    /// `r`, announced to the call's other members if it is such an error.
-    fn or_abort<V>(&mut self, r: Result<V>, call: u32, set: Contributors, agg: u16) -> Result<V> {
-        r.map_err(|e| self.announce(call, set, agg, e))
-    }
-
-    fn addr_of(&self, rank: u16) -> Result<SocketAddrV4> {
-        let m = self.group.member(rank.into())?;
-        Ok(SocketAddrV4::new(m.addr, m.port))
-    }
-
-    fn reduce_contributors(&self, what: &str, root: u16) -> Result<Contributors> {
-        if self.excluded.contains(&root) {
-            return Err(Error::Usage(format!("{what}: root {root} was excluded (Collective::exclude_ranks)")));
-        }
-        let mut exclude = vec![root];
-        exclude.extend(self.group.aggregator);
-        exclude.extend(&self.excluded);
-        contributors(&self.group, what, &exclude)
-    }
-}
+use collective::{check_len, chunk_list, contributors, Contributors};
 
 #[cfg(test)]
 mod tests {
+    use super::backend::resolve_config;
     use super::*;
-    use std::net::Ipv4Addr;
+    use crate::error::Error;
+    use crate::group::{Group, Member};
+    use crate::transport::PathChoice;
+    use std::net::{Ipv4Addr, SocketAddrV4};
     use std::time::Duration;
 
     fn g(ranks: &[u16]) -> Group {

@@ -17,7 +17,7 @@ use std::net::SocketAddrV4;
 
 use crate::error::Result;
 use crate::kernel_agg::{AggEngine, AggRecordView};
-use crate::sock::Datagram;
+use crate::transport::sock::Datagram;
 use crate::wire::{
     Header, F_FANOUT, F_LAST_FRAG, F_OVERFLOW, HDR_LEN, T_AGG_ACK, T_AGG_PENDING, T_AGG_RESULT, VERSION,
 };

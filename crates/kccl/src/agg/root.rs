@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::wire::{Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, MASK_BITS, OP_MAX};
+use crate::wire::{Header, DT_F32Q, DT_I32, DT_I64, F_ALLREDUCE, OP_MAX};
 
 use super::abort::{Peers, Received};
 use super::codec::{Dst, FinEnc, Finish, OutOfRange, Src};
@@ -13,8 +13,8 @@ use super::config::CollectiveStats;
 use super::dispatch::pump;
 use super::op::{AggOp, DType, Element, Quant};
 use super::user::{Admit, AggSink, ChunkDone};
-use super::{check_len, chunk_list, codec, packet, quant, user, Collective};
-use crate::bcast::Path;
+use super::{check_len, chunk_list, codec, packet, quant, Collective};
+use crate::transport::Path;
 
 /// Reduce chunks that completed before the local root reached their call.
 ///
@@ -383,42 +383,6 @@ pub(super) struct RootDone {
 }
 
 impl Collective {
-    /// The paper's building block of reduce, root side: the aggregate of
-    /// the contributors' data (`len` elements each; this member's own data
-    /// is not included: see [`reduce`](Self::reduce)).  AVG divides by the
-    /// number of contributors.
-    pub fn get_aggregated_data<T: Element>(&mut self, len: usize, op: AggOp) -> Result<Vec<T>> {
-        self.root_collect::<T>(len, op, None)
-    }
-
-    /// After the last operation this member combined (a reduce it was the
-    /// root of, or its shard of a sharded allreduce): keeps answering
-    /// retransmissions until every contributor of it confirmed it has every
-    /// answer (its RECEIPT; an ACK or RESULT lost on the way is re-sent
-    /// from the finished chunk), or `max` passed.  Call it before the
-    /// process exits (on the kernel path the programs detach with it, on
-    /// the user path nobody else answers).  Returns the ranks that did not
-    /// confirm (their receipt was lost, or they died); empty when all did
-    /// or there was no such operation.
-    pub fn settle(&mut self, max: Duration) -> Result<Vec<u16>> {
-        let Some(d) = self.last_served else { return Ok(Vec::new()) };
-        let end = Instant::now() + max;
-        loop {
-            let mut open = Vec::new();
-            for b in (0..MASK_BITS).filter(|&b| d.mask >> b & 1 != 0) {
-                let rank = d.base + b as u16;
-                if !user::ack_covers(self.backend.ack_of(rank)?, d.op_id, d.nchunks) {
-                    open.push(rank);
-                }
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if open.is_empty() || left.is_zero() {
-                return Ok(open);
-            }
-            self.serve_for(left.min(Duration::from_millis(5)))?;
-        }
-    }
-
     /// The root of a reduce: serves the aggregation (user space) or reads
     /// the kernel's records until every chunk of the operation is in, and
     /// folds `own` in.

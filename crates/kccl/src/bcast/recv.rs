@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::error::{Error, Result};
 use crate::group::{Group, Member};
-use crate::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::transport::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{BcastAck, Header, ACK_GAP, HDR_LEN, MASK_BITS, T_BCAST, T_BCAST_ACK, VERSION};
 
 use super::track::{self, Assembly, Frag, Reliability};

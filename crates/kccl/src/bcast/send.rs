@@ -11,13 +11,14 @@ use crate::error::{Error, Result};
 use crate::group::{Group, Member};
 use crate::kernel::{neighbours, BcastFanout, MissEvent, MissReason};
 use crate::netns;
-use crate::sock::{BatchSocket, Datagram, RecvBatch, MAX_BATCH};
+use crate::transport::sock::{BatchSocket, Datagram, RecvBatch, MAX_BATCH};
 use crate::wire::{
     BcastAck, Header, ACK_GAP, F_FANOUT, F_LAST_FRAG, HDR_LEN, MASK_BITS, T_BCAST, T_BCAST_ACK, VERSION,
 };
 
 use super::track::{Peer, Reliability};
-use super::{Path, PathChoice, MAX_MESSAGE};
+use super::MAX_MESSAGE;
+use crate::transport::{Path, PathChoice};
 
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct SenderStats {

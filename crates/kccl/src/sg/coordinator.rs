@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use super::combine::{self, Acc, Combine, Elem, Value};
 use super::kernel_gather::{self, KernelGather};
-use crate::bcast::{Path, PathChoice};
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::transport::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::transport::{Path, PathChoice};
 use crate::wire::{self, Header, F_LAST_FRAG, HDR_LEN, MASK_BITS, T_SG_REPLY, T_SG_REQUEST};
 
 /// When a request completes.

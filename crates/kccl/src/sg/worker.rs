@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::combine::{Combine, Elem};
 use crate::error::Result;
 use crate::group::Group;
-use crate::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::transport::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{self, Header, F_LAST_FRAG, HDR_LEN, MASK_BITS, T_SG_REPLY, T_SG_REQUEST};
 
 /// A request as the handler sees it.

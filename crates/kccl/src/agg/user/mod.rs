@@ -44,7 +44,7 @@ use crate::agg::abort;
 use crate::agg::packet::{check_contribution, elem_size, Reject};
 use crate::error::Result;
 use crate::group::Group;
-use crate::sock::{BatchSocket, Datagram, RecvBatch};
+use crate::transport::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
     AbortReason, Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY, HDR_LEN,
     MASK_BITS, T_AGG, T_AGG_ABORT, T_AGG_ACK, T_AGG_PENDING, T_AGG_RECEIPT, T_AGG_RESULT, T_AGG_SYNC, T_AGG_SYNC_ACK,
