@@ -7,7 +7,7 @@
  * KCCL_T_AGG_RESULT (allreduce) or KCCL_T_AGG_ACK (reduce) with KCCL_F_FANOUT,
  * addresses swapped, and passes it up.  This program catches such packets of
  * cfg_job_id at ingress and sends one copy to every rank in dst_mask with the
- * shared clone-and-rewrite code (bpf/include/kccl_fanout.h): clones go to the
+ * shared clone-and-rewrite code (bpf/lib/kccl_fanout.h): clones go to the
  * egress of the same interface, the original skb serves the highest rank via
  * bpf_redirect(ifindex, 0).  So the aggregator's user space does no work at
  * all for an allreduce, and none per packet for a reduce.
@@ -52,9 +52,11 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
-#include "kccl_skb.h"
+#include "lib/kccl_skb.h"
 #include "kccl_bcast.h"
 #include "kccl_agg.h"
+#include "lib/kccl_members.h"
+#include "agg/stats.h"
 
 #define TC_ACT_SHOT	2
 /* TCX_NEXT (TC_ACT_UNSPEC): what this program does not fan out goes on to
@@ -68,22 +70,6 @@ const volatile __u16 cfg_port = 0;		/* host order */
 const volatile __u16 cfg_my_rank = 0;		/* the aggregator's rank */
 const volatile __u32 cfg_clone_mark = 0x6b63636c;
 
-/* Shared with xdp_agg (the loader reuses its map). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, KCCL_MAX_MEMBERS);
-	__type(key, __u32);
-	__type(value, struct kccl_member);
-} members SEC(".maps");
-
-/* Shared with xdp_agg. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, KCCL_AS_NR);
-	__type(key, __u32);
-	__type(value, __u64);
-} agg_stats SEC(".maps");
-
 /* struct kccl_agg_miss records: each reserves a whole maximal answer (the
  * reservation's size must be a constant), so 1 MiB holds 16; misses are
  * rare (a failed clone, a member without a next hop) and the runtime drains
@@ -94,25 +80,16 @@ struct {
 	__uint(max_entries, 1024 * 1024);
 } agg_miss_events SEC(".maps");
 
-static __always_inline void stat_add(__u32 idx, __u64 n)
-{
-	__u64 *v = bpf_map_lookup_elem(&agg_stats, &idx);
-
-	if (v)
-		*v += n;
-}
-
 /* Anchor: makes struct kccl_agg_miss part of the skeleton, so the runtime
  * reads the records with the generated definition (a pointer: 8 bytes of
  * .bss, not a whole record). */
 struct kccl_agg_miss *kccl_agg_miss_layout;
 
 /* The shared clone-and-rewrite fan-out, on this program's maps. */
-#define KCCL_FANOUT_MEMBERS members
 #define KCCL_FANOUT_ON_MISS(f, rank, why) report_agg_miss((f), (rank), (why))
 struct fanout;
 static __always_inline void report_agg_miss(const struct fanout *f, __u32 rank, __u16 why);
-#include "kccl_fanout.h"
+#include "lib/kccl_fanout.h"
 
 /* A destination the fan-out could not serve: its event and the answer's
  * datagram (the skb ends at the datagram: trimmed before the fan-out). */

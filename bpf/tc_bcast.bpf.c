@@ -9,7 +9,7 @@
  * bpf_clone_redirect()s the packet out of the same interface; the original
  * skb becomes the copy for the highest rank.  So the sender's user space pays
  * one send per fragment instead of one per destination.  The clone-and-rewrite
- * code is bpf/include/kccl_fanout.h, shared with tc_agg_result.bpf.c.
+ * code is bpf/lib/kccl_fanout.h, shared with tc_agg_result.bpf.c.
  *
  * What it assumes:
  *  - IPv4/UDP over Ethernet, attached at TCX egress of the sender's interface;
@@ -37,8 +37,9 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
-#include "kccl_skb.h"
+#include "lib/kccl_skb.h"
 #include "kccl_bcast.h"
+#include "lib/kccl_members.h"
 
 #define TC_ACT_SHOT	2
 /* TCX_NEXT (TC_ACT_UNSPEC): the packet goes on to the next program of the
@@ -50,13 +51,6 @@
 /* Set by the runtime before load (read-only after). */
 const volatile __u32 cfg_job_id = 0;
 const volatile __u32 cfg_clone_mark = 0x6b63636c;
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, KCCL_MAX_MEMBERS);
-	__type(key, __u32);
-	__type(value, struct kccl_member);
-} members SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -87,9 +81,8 @@ static __always_inline void stat_add(__u32 idx, __u64 n)
 }
 
 /* The shared clone-and-rewrite fan-out, on this program's maps. */
-#define KCCL_FANOUT_MEMBERS members
 #define KCCL_FANOUT_ON_MISS(f, rank, why) kccl_fanout_ring_miss(&miss_events, (f), (rank), (why))
-#include "kccl_fanout.h"
+#include "lib/kccl_fanout.h"
 
 SEC("tcx/egress")
 int kccl_tc_bcast(struct __sk_buff *skb)

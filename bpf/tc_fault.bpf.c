@@ -70,7 +70,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
-#include "kccl_skb.h"
+#include "lib/kccl_skb.h"
 
 #define TC_ACT_SHOT	2
 /* "Not mine, or passed unharmed": let the next program of the TCX chain run

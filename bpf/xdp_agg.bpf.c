@@ -129,116 +129,16 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
-#include "kccl_xdp.h"
+#include "lib/kccl_xdp.h"
 #include "kccl_bcast.h"
 #include "kccl_agg.h"
+#include "lib/kccl_members.h"
+#include "agg/stats.h"
+#include "agg/state.h"	/* configuration, maps, struct contrib */
+#include "agg/combine.h"	/* struct agg_scratch, the element loops */
+#include "agg/answer.h"	/* ACK/RESULT frames, ring-buffer delivery */
+#include "agg/acks.h"	/* proofs of received answers */
 
-#define ETH_ALEN	6
-
-#define KCCL_ANSWER_FIXED_LEN	(sizeof(struct udphdr) + KCCL_HDR_LEN)
-
-/* Set by the loader before load (read-only after). */
-const volatile __u32 cfg_job_id = 0;
-const volatile __u16 cfg_port = 0;		/* host order */
-const volatile __u16 cfg_my_rank = 0;
-/* The job's chunk (crates/kccl/src/chunk.rs derives it from the group's
- * MTU); the loader always sets it.  0: not configured, nothing aggregated. */
-const volatile __u32 cfg_chunk_bytes = 0;
-const volatile __u32 cfg_nslots = 1024;	/* == max_entries of agg_slots */
-const volatile __u64 cfg_slot_timeout_ns = 2000000000ULL;
-const volatile __u64 cfg_wakeup_bytes = 1 << 20;
-/* The job's largest contributor window (chunks beyond the lowest unanswered
- * one): a contribution of chunk c proves its sender holds every answer below
- * c + 1 - cfg_window.  Every contributor must use at most this. */
-const volatile __u32 cfg_window = 256;
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1024);		/* set by the loader (cfg_nslots) */
-	__type(key, __u32);
-	__type(value, struct kccl_agg_slot);
-} agg_slots SEC(".maps");
-
-/* Sub-blocks of the slots: entry n * subs + i is sub-block i of slot n
- * (subs = ceil(cfg_chunk_bytes / KCCL_AGG_SUB_BYTES)). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1024);		/* set by the loader (cfg_nslots * subs) */
-	__type(key, __u32);
-	__type(value, struct kccl_agg_sub);
-} agg_acc SEC(".maps");
-
-/* Shared with tc_agg_result (the loader reuses one map for both). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, KCCL_MAX_MEMBERS);
-	__type(key, __u32);
-	__type(value, struct kccl_member);
-} members SEC(".maps");
-
-/* Shared with tc_agg_result (FANOUT_COPIES, FANOUT_MISSED). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, KCCL_AS_NR);
-	__type(key, __u32);
-	__type(value, __u64);
-} agg_stats SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 4 << 20);		/* set by the loader */
-} agg_records SEC(".maps");
-
-/* What each rank proved it received (struct kccl_agg_acks). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct kccl_agg_acks);
-} agg_acks SEC(".maps");
-
-/* The calls aborted most recently (struct kccl_agg_aborted, written by
- * kccl_agg_sweep). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct kccl_agg_aborted);
-} agg_aborted SEC(".maps");
-
-_Static_assert((KCCL_AGG_ABORTED_MAX & (KCCL_AGG_ABORTED_MAX - 1)) == 0, "ring index is a mask");
-
-/* Completed wire bytes per operation, for the wake-up policy. */
-struct kccl_agg_op_key {
-	__u32 job_id;
-	__u32 op_id;
-};
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct kccl_agg_op_key);
-	__type(value, __u64);
-} agg_op_progress SEC(".maps");
-
-static __always_inline void stat_add(__u32 idx, __u64 n)
-{
-	__u64 *v = bpf_map_lookup_elem(&agg_stats, &idx);
-
-	if (v)
-		*v += n;
-}
-
-/*
- * members[rank]'s next hop learned from a packet of that rank (its source
- * address already checked): the frame's source MAC is where the rank's
- * answers go (the member itself on this segment, or the router in front of
- * it).  So the fan-out works however cold the neighbour table was when the
- * runtime filled members[], and follows a member that moved.  Written only
- * when it differs, the MAC before the RESOLVED bit; a fan-out reading the
- * entry during a change may address one copy to a torn MAC, which the
- * contributor's retransmission repairs.
- */
 /* Whether the call of op id `op_id` is one of the recently aborted ones. */
 static __always_inline bool call_aborted(const struct kccl_agg_aborted *ab, __u32 op_id)
 {
@@ -251,6 +151,16 @@ static __always_inline bool call_aborted(const struct kccl_agg_aborted *ab, __u3
 	return false;
 }
 
+/*
+ * members[rank]'s next hop learned from a packet of that rank (its source
+ * address already checked): the frame's source MAC is where the rank's
+ * answers go (the member itself on this segment, or the router in front of
+ * it).  So the fan-out works however cold the neighbour table was when the
+ * runtime filled members[], and follows a member that moved.  Written only
+ * when it differs, the MAC before the RESOLVED bit; a fan-out reading the
+ * entry during a change may address one copy to a torn MAC, which the
+ * contributor's retransmission repairs.
+ */
 static __always_inline void learn_next_hop(struct kccl_member *m, const struct ethhdr *eth)
 {
 	bool same = true;
@@ -269,10 +179,6 @@ static __always_inline void learn_next_hop(struct kccl_member *m, const struct e
 	stat_add(KCCL_AS_NEXT_HOP_LEARNED, 1);
 }
 
-/* Topic headers (bpf/include/); they use the maps and configuration above. */
-#include "kccl_agg_combine.h"	/* struct agg_scratch, the element loops */
-#include "kccl_agg_answer.h"	/* ACK/RESULT frames, ring-buffer delivery */
-
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
@@ -289,18 +195,6 @@ struct {
 #define ACT_RETRY	5	/* UNDELIVERED chunk: retry the ring output */
 #define ACT_PENDING	6	/* counted retransmission: tell the sender who is missing */
 
-/* What a contribution needs in the locked section. */
-struct contrib {
-	__u64 mask, bit, now;
-	__u32 op_id, frag, msg_len, pay_len, mask_base, op, dt;
-	/* The DONE chunk (proven_op, proven_frag) the slot held before the
-	 * lock: every one of its contributors proved it has the answer. */
-	__u32 proven_op, proven_frag;
-	bool proven;
-	bool allreduce;
-};
-
-#include "kccl_agg_acks.h"	/* proofs of received answers */
 
 /*
  * Under the slot's lock: the slot state machine (see the header comment).

@@ -48,9 +48,11 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include "kccl_wire.h"
-#include "kccl_xdp.h"
+#include "lib/kccl_xdp.h"
 #include "kccl_bcast.h"
 #include "kccl_sg.h"
+#define KCCL_MEMBERS_MAX	KCCL_SG_MAX_RANKS
+#include "lib/kccl_members.h"
 
 
 const volatile __u32 cfg_job_id = 0;
@@ -71,13 +73,6 @@ struct {
 	__type(key, __u32);
 	__type(value, struct kccl_sg_acc);
 } sg_acc SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, KCCL_SG_MAX_RANKS);
-	__type(key, __u32);
-	__type(value, struct kccl_member);
-} members SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);

@@ -7,6 +7,8 @@
 #ifndef KCCL_BCAST_H
 #define KCCL_BCAST_H
 
+#include "kccl_types.h"
+
 /* Rank capacity of the members map; also bounds mask_base + 63. */
 #define KCCL_MAX_MEMBERS 4096
 

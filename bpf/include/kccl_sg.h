@@ -16,6 +16,8 @@
 #ifndef KCCL_SG_H
 #define KCCL_SG_H
 
+#include "kccl_types.h"
+
 /* Workers one request can ask: ranks 0 .. KCCL_SG_MAX_RANKS - 1. */
 #define KCCL_SG_MAX_RANKS	1024
 #define KCCL_SG_MASK_WORDS	(KCCL_SG_MAX_RANKS / 64)

@@ -14,6 +14,8 @@
 #ifndef KCCL_WIRE_H
 #define KCCL_WIRE_H
 
+#include "kccl_types.h"
+
 #define KCCL_MAGIC	0x4b43434cU	/* "KCCL" */
 #define KCCL_VERSION	1
 

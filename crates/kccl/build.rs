@@ -37,6 +37,9 @@ fn main() {
                 out.as_os_str(),
                 "-I".as_ref(),
                 bpf_dir.join("include").as_os_str(),
+                // lib/ and agg/ are included by path ("lib/kccl_xdp.h").
+                "-I".as_ref(),
+                bpf_dir.as_os_str(),
                 "-D__TARGET_ARCH_x86".as_ref(),
                 "-Wall".as_ref(),
                 "-Werror".as_ref(),
@@ -45,11 +48,34 @@ fn main() {
             .unwrap_or_else(|e| panic!("building BPF program {src} with {clang} failed: {e:#}"));
         println!("cargo:rerun-if-changed={}", src_path.display());
     }
-    println!("cargo:rerun-if-changed={}", bpf_dir.join("include").display());
-    for entry in fs::read_dir(bpf_dir.join("include")).expect("bpf/include exists") {
-        println!("cargo:rerun-if-changed={}", entry.expect("readable dir").path().display());
-    }
+    rerun_if_any_changed(&bpf_dir);
+    write_libbpf_headers(&out.join("libbpf"));
     println!("cargo:rerun-if-env-changed=KCCL_CLANG");
+}
+
+/// Every file under bpf/ (include/, lib/, agg/): a header change rebuilds
+/// the programs that include it.
+fn rerun_if_any_changed(dir: &Path) {
+    println!("cargo:rerun-if-changed={}", dir.display());
+    for entry in fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display())) {
+        let path = entry.expect("readable dir entry").path();
+        if path.is_dir() {
+            rerun_if_any_changed(&path);
+        } else {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+    }
+}
+
+/// libbpf's BPF-side headers (bpf/bpf_helpers.h, ...) as the programs were
+/// built with, for the header checks of tests/bpf_headers.rs, which compile
+/// each header of bpf/ on its own.
+fn write_libbpf_headers(dst: &Path) {
+    let dir = dst.join("bpf");
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    for (name, text) in libbpf_rs::libbpf_sys::API_HEADERS {
+        fs::write(dir.join(name), text).unwrap_or_else(|e| panic!("writing {name} into OUT_DIR: {e}"));
+    }
 }
 
 /// vmlinux.h comes from the running kernel (CO-RE relocates against the target

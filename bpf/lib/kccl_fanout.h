@@ -13,23 +13,24 @@
  * f->original_sent and the calling program decides what "sending the
  * original" means in its hook (TC_ACT_OK at egress, bpf_redirect at ingress).
  *
- * Parameters, defined by the including file BEFORE the #include:
- *   KCCL_FANOUT_MEMBERS            name of its members map (ARRAY of struct
- *                                  kccl_member, KCCL_MAX_MEMBERS entries)
- *   KCCL_FANOUT_ON_MISS(f, r, why) optional: called (as a statement) for every
+ * Destinations come from the members map (lib/kccl_members.h).  Optional
+ * hook, defined by the including file before the #include:
+ *   KCCL_FANOUT_ON_MISS(f, r, why) called (as a statement) for every
  *                                  destination rank r the fan-out could not
  *                                  serve, with struct fanout *f; e.g.
- *                                  kccl_fanout_ring_miss(&ring, f, r, why).  f->misses is counted here
- *                                  in any case.
- * The including file also includes vmlinux.h, bpf_helpers.h and
- * kccl_bcast.h first.
+ *                                  kccl_fanout_ring_miss(&ring, f, r, why).
+ *                                  f->misses is counted here in any case.
  */
 #ifndef KCCL_FANOUT_H
 #define KCCL_FANOUT_H
 
-#ifndef KCCL_FANOUT_MEMBERS
-#error "define KCCL_FANOUT_MEMBERS (the members map) before including kccl_fanout.h"
-#endif
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
+#include "kccl_bcast.h"
+#include "lib/kccl_members.h"
+
 #ifndef KCCL_FANOUT_ON_MISS
 #define KCCL_FANOUT_ON_MISS(f, rank, why) do { } while (0)
 #endif
@@ -124,7 +125,7 @@ static long fan_out_one(__u64 i, struct fanout *f)
 	if (!((f->mask >> i) & 1))
 		return 0;
 	rank = f->base + (__u32)i;
-	m = bpf_map_lookup_elem(&KCCL_FANOUT_MEMBERS, &rank);
+	m = bpf_map_lookup_elem(&members, &rank);
 	if (!m || !(m->flags & KCCL_M_PRESENT)) {
 		report_miss(f, rank, KCCL_MISS_NOT_MEMBER);
 		return 0;

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * kccl_agg_combine.h: the element loops of xdp_agg.bpf.c: store or combine
+ * agg/combine.h: the element loops of xdp_agg.bpf.c: store or combine
  * one sub-block of a chunk's payload (int32/int64, SUM/AVG/COUNT/MAX/MIN)
  * into its accumulators (struct kccl_agg_sub) and write the answer back, branch-free, in blocks of
  * BLK_BYTES, with their per-CPU scratch memory (struct agg_scratch).
@@ -11,6 +11,11 @@
  */
 #ifndef KCCL_AGG_COMBINE_H
 #define KCCL_AGG_COMBINE_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_agg.h"
 
 /* Loop modes. */
 #define ELEM_NONE	0	/* read the accumulators only */

@@ -1,11 +1,15 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * kccl_skb.h: finding a kccl datagram in an skb, shared by the TC programs
- * (tc_bcast, tc_agg_result, tc_fault).  The including file includes
- * vmlinux.h, bpf_helpers.h, bpf_endian.h and kccl_wire.h first.
+ * (tc_bcast, tc_agg_result, tc_fault).
  */
 #ifndef KCCL_SKB_H
 #define KCCL_SKB_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
 
 #define ETH_P_IP	0x0800
 #define IP_MF		0x2000

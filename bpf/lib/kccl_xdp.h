@@ -1,11 +1,15 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * kccl_xdp.h: finding a kccl datagram in an XDP frame, shared by the XDP
- * programs (xdp_agg, xdp_sg).  The including file includes vmlinux.h,
- * bpf_helpers.h and bpf_endian.h first.
+ * programs (xdp_agg, xdp_sg).
  */
 #ifndef KCCL_XDP_H
 #define KCCL_XDP_H
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "kccl_wire.h"
 
 #define ETH_P_IP	0x0800
 #define IP_MF		0x2000

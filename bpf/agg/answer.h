@@ -1,16 +1,18 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * kccl_agg_answer.h: what xdp_agg.bpf.c sends back for a completed chunk:
+ * agg/answer.h: what xdp_agg.bpf.c sends back for a completed chunk:
  * the ACK or RESULT frame rebuilt in place from the contribution
  * (make_answer), and a reduce chunk's record on the ring buffer with the
  * wake-up policy (deliver).
  *
- * Uses, defined by the including file before the #include: cfg_my_rank,
- * cfg_job_id, cfg_wakeup_bytes, the maps agg_records, agg_acc and agg_op_progress
- * (struct kccl_agg_op_key), ETH_ALEN and KCCL_ANSWER_FIXED_LEN.
+ * Uses xdp_agg's configuration and maps (agg/state.h).
  */
 #ifndef KCCL_AGG_ANSWER_H
 #define KCCL_AGG_ANSWER_H
+
+#include <bpf/bpf_endian.h>
+#include "agg/state.h"
+#include "agg/combine.h"	/* OPAQUE */
 
 /* Ones' complement update of a checksum for a 16-bit field change (RFC 1624);
  * all values as stored (network order). */

@@ -1,16 +1,17 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * kccl_agg_acks.h: what each rank proved it received (the agg_acks map,
+ * agg/acks.h: what each rank proved it received (the agg_acks map,
  * struct kccl_agg_acks): a contribution of chunk c proves its sender holds
  * every answer below c + 1 - cfg_window.  xdp_agg.bpf.c uses it to drop late
  * copies (ack_proves), to record proofs (ack_raise) and to free a DONE slot
  * once all its contributors proved they have the answer (check_proven).
  *
- * Uses, defined by the including file before the #include: the map
- * agg_acks, cfg_chunk_bytes and struct contrib.
+ * Uses the map agg_acks, cfg_chunk_bytes and struct contrib (agg/state.h).
  */
 #ifndef KCCL_AGG_ACKS_H
 #define KCCL_AGG_ACKS_H
+
+#include "agg/state.h"
 
 /* a after b: (op, bound) keys of struct kccl_agg_acks, op ids compared in
  * serial-number order (they wrap at 2^32). */
