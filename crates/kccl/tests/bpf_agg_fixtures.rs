@@ -2114,15 +2114,16 @@ fn run_fixture(e: &mut AggEngine, fx: &Fixture) -> Result<(), Vec<String>> {
     for &(op, frag, state, seen) in &fx.slots {
         match e.slot(e.slot_index(op, frag)) {
             Ok(s) => {
-                let key_ok = state == SlotState::Free || (s.op_id == op && s.frag_off == frag && s.job_id == JOB);
+                let key_ok =
+                    state == SlotState::Free || (s.rec.op_id == op && s.rec.frag_off == frag && s.rec.job_id == JOB);
                 if s.state != state || s.seen != seen || !key_ok {
                     errs.push(format!(
                         "slot of op {op} frag {frag}: {:?} seen {:#x} key ({}, {}) (want {state:?} seen {seen:#x})",
-                        s.state, s.seen, s.op_id, s.frag_off
+                        s.state, s.seen, s.rec.op_id, s.rec.frag_off
                     ));
                 }
-                if state == SlotState::Done && s.contributors != seen {
-                    errs.push(format!("slot contributors {:#x} (want {seen:#x})", s.contributors));
+                if state == SlotState::Done && s.rec.contributors != seen {
+                    errs.push(format!("slot contributors {:#x} (want {seen:#x})", s.rec.contributors));
                 }
             }
             Err(err) => errs.push(format!("slot: {err}")),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use std::net::SocketAddrV4;
 
-use crate::agg::user::{describe_chunk, AggSink, ChunkDone, UserAggregator};
+use crate::agg::user::{describe_chunk, AggSink, UserAggregator};
 use crate::agg::AggConfig;
 use crate::error::Result;
 use crate::group::{Group, Member};
@@ -76,8 +76,11 @@ impl KernelBackend {
     /// slot is aggregating it: (mask_base, missing mask).
     pub fn missing(&self, op_id: u32, frag_off: u32) -> Option<(u16, u64)> {
         let s = self.engine.slot(self.engine.slot_index(op_id, frag_off)).ok()?;
-        (s.state == SlotState::Active && s.job_id == self.job_id && s.op_id == op_id && s.frag_off == frag_off)
-            .then_some((s.mask_base, s.expected & !s.seen))
+        (s.state == SlotState::Active
+            && s.rec.job_id == self.job_id
+            && s.rec.op_id == op_id
+            && s.rec.frag_off == frag_off)
+            .then_some((s.rec.mask_base, s.expected & !s.seen))
     }
 
     /// Aborts the calls of the allreduce contributions xdp_agg passed up as
@@ -90,13 +93,14 @@ impl KernelBackend {
             let sent = describe_chunk(true, h.msg_len, h.agg_op, h.dtype, h.dst_mask, h.mask_base);
             let slot = self.engine.slot(self.engine.slot_index(h.msg_seq, h.frag_off)).ok().filter(|s| {
                 s.state != SlotState::Free
-                    && s.job_id == self.job_id
-                    && (s.op_id, s.frag_off) == (h.msg_seq, h.frag_off)
+                    && s.rec.job_id == self.job_id
+                    && (s.rec.op_id, s.rec.frag_off) == (h.msg_seq, h.frag_off)
             });
             let (base, expected, detail) = match slot {
                 Some(s) => {
-                    let was = describe_chunk(true, s.msg_len, s.agg_op, s.dtype, s.expected, s.mask_base);
-                    (s.mask_base, s.expected, format!("sent {sent}, the chunk is {was}"))
+                    let was =
+                        describe_chunk(true, s.rec.msg_len, s.rec.agg_op, s.rec.dtype, s.expected, s.rec.mask_base);
+                    (s.rec.mask_base, s.expected, format!("sent {sent}, the chunk is {was}"))
                 }
                 // Gone since (freed or taken over): the sender's own view.
                 None => (h.mask_base, h.dst_mask, format!("sent {sent}, which the kernel's chunk did not match")),
@@ -157,19 +161,8 @@ impl KernelBackend {
             // Taken: its contributors learn it with this round's other
             // chunks (they asked for that with F_ACK_LATER; any that did
             // not already got xdp_agg's ACK and count this one a duplicate).
-            user.ack_later(r.op_id, r.frag_off, r.msg_len, r.agg_op, r.dtype, r.mask_base, r.contributors);
-            sink.deliver(&ChunkDone {
-                op_id: r.op_id,
-                frag_off: r.frag_off,
-                msg_len: r.msg_len,
-                payload_len: r.payload_len,
-                agg_op: r.agg_op,
-                dtype: r.dtype,
-                // u8 in struct kccl_agg_record; u8::from also takes a bool.
-                overflow: u8::from(r.overflow) != 0,
-                contributors: r.contributors,
-                values: r.values(),
-            });
+            user.ack_later(&r);
+            sink.deliver(&r);
         })
     }
 }

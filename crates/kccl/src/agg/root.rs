@@ -12,8 +12,9 @@ use super::codec::{Dst, FinEnc, Finish, OutOfRange, Src};
 use super::config::CollectiveStats;
 use super::dispatch::pump;
 use super::op::{AggOp, DType, Element, Quant};
-use super::user::{Admit, AggSink, ChunkDone};
+use super::user::{Admit, AggSink};
 use super::{check_len, chunk_list, codec, packet, quant, Collective};
+use crate::kernel_agg::{AggRecord, AggRecordView};
 use crate::transport::Path;
 
 /// Reduce chunks that completed before the local root reached their call.
@@ -48,9 +49,9 @@ impl Stash {
     pub(super) fn take_call(&mut self, call: u32, op_id: u32) -> Vec<Stashed> {
         let (mut now, mut keep) = (Vec::new(), Vec::new());
         for c in std::mem::take(&mut self.chunks) {
-            if c.op_id == op_id {
+            if c.rec.op_id == op_id {
                 now.push(c);
-            } else if call_or_later(c.op_id, call.wrapping_add(1)) {
+            } else if call_or_later(c.rec.op_id, call.wrapping_add(1)) {
                 keep.push(c);
             }
         }
@@ -59,31 +60,15 @@ impl Stash {
     }
 }
 
+/// A completed chunk of a later call, kept until the root gets there.
 pub(super) struct Stashed {
-    op_id: u32,
-    frag_off: u32,
-    msg_len: u32,
-    payload_len: u16,
-    agg_op: u8,
-    dtype: u8,
-    overflow: bool,
-    contributors: u64,
+    rec: AggRecord,
     values: Vec<i64>,
 }
 
 impl Stashed {
-    pub(super) fn view(&self) -> ChunkDone<'_> {
-        ChunkDone {
-            op_id: self.op_id,
-            frag_off: self.frag_off,
-            msg_len: self.msg_len,
-            payload_len: self.payload_len,
-            agg_op: self.agg_op,
-            dtype: self.dtype,
-            overflow: self.overflow,
-            contributors: self.contributors,
-            values: &self.values,
-        }
+    pub(super) fn view(&self) -> AggRecordView<'_> {
+        AggRecordView::new(self.rec, &self.values)
     }
 }
 
@@ -163,7 +148,7 @@ pub(super) enum FinKind {
 }
 
 impl RootState<'_> {
-    pub(super) fn on_chunk(&mut self, d: &ChunkDone<'_>) {
+    pub(super) fn on_chunk(&mut self, d: &AggRecordView<'_>) {
         if self.error.is_some() {
             return;
         }
@@ -198,7 +183,7 @@ impl RootState<'_> {
             return;
         }
         let first = c * self.chunk / self.es;
-        let vals = d.values;
+        let vals = d.values();
         // Prefix part (agreed exponents, each summed over the contributors).
         let mut data_first = first;
         let mut data_vals = vals;
@@ -338,7 +323,7 @@ impl AggSink for RootSink<'_, '_> {
         }
     }
 
-    fn deliver(&mut self, d: &ChunkDone<'_>) {
+    fn deliver(&mut self, d: &AggRecordView<'_>) {
         if let Some(st) = self.state.as_deref_mut() {
             if d.op_id == st.main.op_id {
                 st.on_chunk(d);
@@ -354,17 +339,7 @@ impl AggSink for RootSink<'_, '_> {
             return;
         }
         self.stashed += 1;
-        self.stash.chunks.push(Stashed {
-            op_id: d.op_id,
-            frag_off: d.frag_off,
-            msg_len: d.msg_len,
-            payload_len: d.payload_len,
-            agg_op: d.agg_op,
-            dtype: d.dtype,
-            overflow: d.overflow,
-            contributors: d.contributors,
-            values: d.values.to_vec(),
-        });
+        self.stash.chunks.push(Stashed { rec: d.rec, values: d.values().to_vec() });
     }
 
     fn room(&self) -> usize {
@@ -585,16 +560,17 @@ mod tests {
     #[test]
     fn root_keeps_records_of_every_later_call() {
         let vals = [7i64, -3];
-        let rec = |op_id: u32| ChunkDone {
-            op_id,
-            frag_off: 0,
-            msg_len: 16,
-            payload_len: 16,
-            agg_op: OP_SUM,
-            dtype: DT_I64,
-            overflow: false,
-            contributors: 0b11,
-            values: &vals,
+        let rec = |op_id: u32| {
+            let r = AggRecord {
+                op_id,
+                msg_len: 16,
+                payload_len: 16,
+                agg_op: OP_SUM,
+                dtype: DT_I64,
+                contributors: 0b11,
+                ..AggRecord::default()
+            };
+            AggRecordView::new(r, &vals)
         };
         let mut stash = Stash::default();
         let mut sink = RootSink { stash: &mut stash, call: 5, cap: 8, state: None, stashed: 0, stale: 0 };
@@ -613,8 +589,8 @@ mod tests {
         // 30's stays, calls 6..=8 are past (that root skipped them).
         let got = stash.take_call(9, 37);
         assert_eq!(got.len(), 1);
-        assert_eq!((got[0].op_id, got[0].values.as_slice()), (37, &vals[..]));
-        assert_eq!(stash.chunks.iter().map(|c| c.op_id).collect::<Vec<_>>(), [121]);
+        assert_eq!((got[0].rec.op_id, got[0].values.as_slice()), (37, &vals[..]));
+        assert_eq!(stash.chunks.iter().map(|c| c.rec.op_id).collect::<Vec<_>>(), [121]);
         // Op ids wrap: call 2^30 - 1 uses op ids from 2^32 - 4, the next
         // call from 0.
         let last = (1u32 << 30) - 1;

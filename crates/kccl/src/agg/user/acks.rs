@@ -16,6 +16,7 @@
 
 use std::net::SocketAddrV4;
 
+use crate::kernel_agg::AggRecord;
 use crate::wire::{Header, AGG_ACKS_MAX_BYTES, HDR_LEN, T_AGG_ACKS, VERSION};
 
 /// What identifies an operation's chunks: (op id, msg_len, agg_op, dtype,
@@ -69,21 +70,12 @@ impl AckBatch {
         self.ops[o].taken[c as usize / 64] >> (c % 64) & 1 == 1
     }
 
-    /// Chunk `chunk` of operation `op_id` was taken: acknowledge it to
-    /// every contributor (bit i of `contributors` = rank mask_base + i).
+    /// Chunk `chunk` of the operation of `rec` was taken: acknowledge it to
+    /// every contributor (bit i of `rec.contributors` = rank mask_base + i).
     /// A chunk beyond the message is ignored.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn add(
-        &mut self,
-        op_id: u32,
-        chunk: u32,
-        msg_len: u32,
-        agg_op: u8,
-        dtype: u8,
-        mask_base: u16,
-        contributors: u64,
-    ) {
-        let key = (op_id, msg_len, agg_op, dtype, mask_base, contributors);
+    pub(super) fn add(&mut self, rec: &AggRecord, chunk: u32) {
+        let key = (rec.op_id, rec.msg_len, rec.agg_op, rec.dtype, rec.mask_base, rec.contributors);
+        let msg_len = rec.msg_len;
         let o = match self.ops.iter().position(|o| o.key == key) {
             Some(o) => o,
             None => {
@@ -190,6 +182,11 @@ mod tests {
     use super::*;
     use std::net::Ipv4Addr;
 
+    /// The record of a taken chunk, as far as acknowledging it needs.
+    fn rec(op_id: u32, msg_len: u32, agg_op: u8, dtype: u8, mask_base: u16, contributors: u64) -> AggRecord {
+        AggRecord { op_id, msg_len, agg_op, dtype, mask_base, contributors, ..AggRecord::default() }
+    }
+
     fn addr(rank: u16) -> Option<SocketAddrV4> {
         Some(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, rank as u8), 7000))
     }
@@ -218,7 +215,7 @@ mod tests {
         let members = [None, addr(1), addr(2), addr(3)];
         // Contributors ranks 1 and 3 (mask_base 1: bits 0 and 2), chunks out of order, one twice.
         for c in [5, 3, 9, 3] {
-            b.add(12, c, 100 * 1000, 1, 1, 1, 0b101);
+            b.add(&rec(12, 100 * 1000, 1, 1, 1, 0b101), c);
         }
         let s = flush(&mut b, &members);
         assert_eq!(s.len(), 2);
@@ -237,7 +234,7 @@ mod tests {
         let members = [addr(0)];
         let mut round = |chunks: &[u32]| -> Vec<u32> {
             for &c in chunks {
-                b.add(4, c, 8 * 100, 1, 1, 0, 1);
+                b.add(&rec(4, 8 * 100, 1, 1, 0, 1), c);
             }
             let s = flush(&mut b, &members);
             assert!(s.len() <= 1);
@@ -257,7 +254,7 @@ mod tests {
         let members = [None, addr(1)];
         let msg_len = (3 * MAX_BITS + 1) * 8;
         for c in [0, MAX_BITS - 1, MAX_BITS, 3 * MAX_BITS] {
-            b.add(4, c, msg_len, 2, 1, 1, 1);
+            b.add(&rec(4, msg_len, 2, 1, 1, 1), c);
         }
         let runs: Vec<Vec<u32>> = flush(&mut b, &members).into_iter().map(|(_, _, c)| c).collect();
         assert_eq!(runs, vec![vec![0, MAX_BITS - 1], vec![MAX_BITS], vec![3 * MAX_BITS]]);
@@ -267,7 +264,7 @@ mod tests {
     fn old_operations_are_forgotten() {
         let mut b = AckBatch::new(8);
         for op in 0..(MAX_OPS as u32 + 3) {
-            b.add(op, 0, 64, 1, 1, 0, 1);
+            b.add(&rec(op, 64, 1, 1, 0, 1), 0);
         }
         assert_eq!(b.ops.len(), MAX_OPS);
     }

@@ -33,7 +33,7 @@ mod combine;
 mod sink;
 mod stats;
 
-pub use sink::{Admit, AggSink, AllreduceOnly, ChunkDone};
+pub use sink::{Admit, AggSink, AllreduceOnly};
 pub use stats::{AggStats, MismatchEvent};
 
 use std::collections::{HashMap, VecDeque};
@@ -44,6 +44,7 @@ use crate::agg::abort;
 use crate::agg::packet::{check_contribution, elem_size, Reject};
 use crate::error::Result;
 use crate::group::Group;
+use crate::kernel_agg::{AggRecord, AggRecordView};
 use crate::transport::sock::{BatchSocket, Datagram, RecvBatch};
 use crate::wire::{
     AbortReason, Header, F_ACK_LATER, F_ALLREDUCE, F_LAST_FRAG, F_MISMATCH, F_OVERFLOW, F_USER_ONLY, HDR_LEN,
@@ -755,28 +756,31 @@ impl UserAggregator {
         if overflow {
             self.stats.overflow += 1;
         }
+        // The chunk as a reduce root takes it (field for field the kernel
+        // path's ring buffer record).
+        let rec = AggRecord {
+            job_id: self.cfg.job_id,
+            op_id: s.op_id,
+            frag_off: s.frag_off,
+            msg_len: m.msg_len,
+            payload_len: m.payload_len,
+            mask_base: m.mask_base,
+            agg_op: m.agg_op,
+            dtype: m.dtype,
+            overflow: s.overflow,
+            contributors: m.expected,
+        };
         if allreduce {
             self.stats.results += 1;
         } else {
             self.stats.acks += 1;
-            sink.deliver(&ChunkDone {
-                op_id: s.op_id,
-                frag_off: s.frag_off,
-                msg_len: m.msg_len,
-                payload_len: m.payload_len,
-                agg_op: m.agg_op,
-                dtype: m.dtype,
-                overflow: s.overflow,
-                contributors: m.expected,
-                values: &s.acc[..n],
-            });
+            sink.deliver(&AggRecordView::new(rec, &s.acc[..n]));
         }
         let op = self.slots[idx].op_id;
         if !allreduce && m.flags & F_ACK_LATER != 0 {
             // Acknowledged with the round's other chunks (acks.rs); the
             // stored answer still serves retransmissions.
-            let frag_off = self.slots[idx].frag_off;
-            self.acks.add(op, frag_off / chunk as u32, m.msg_len, m.agg_op, m.dtype, m.mask_base, m.expected);
+            self.acks.add(&rec, rec.frag_off / chunk as u32);
             self.stats.acks_later += 1;
             self.track_op(op, m.msg_len as usize, chunk, now);
             return;
@@ -925,19 +929,9 @@ impl UserAggregator {
     /// A reduce chunk the root's runtime took from the kernel (its ring
     /// buffer record): acknowledged to its contributors with the round's
     /// other chunks at the next [`flush`](Self::flush) (acks.rs).
-    #[allow(clippy::too_many_arguments)]
-    pub fn ack_later(
-        &mut self,
-        op_id: u32,
-        frag_off: u32,
-        msg_len: u32,
-        agg_op: u8,
-        dtype: u8,
-        mask_base: u16,
-        contributors: u64,
-    ) {
-        let chunk = (frag_off as usize / self.cfg.chunk_bytes) as u32;
-        self.acks.add(op_id, chunk, msg_len, agg_op, dtype, mask_base, contributors);
+    pub fn ack_later(&mut self, rec: &AggRecord) {
+        let chunk = (rec.frag_off as usize / self.cfg.chunk_bytes) as u32;
+        self.acks.add(rec, chunk);
         self.stats.acks_later += 1;
     }
 
@@ -1065,8 +1059,8 @@ mod tests {
                 _ => self.admit.clone().unwrap_or(Admit::Yes),
             }
         }
-        fn deliver(&mut self, d: &ChunkDone<'_>) {
-            self.done.push((d.op_id, d.frag_off, d.values.to_vec(), d.overflow))
+        fn deliver(&mut self, d: &AggRecordView<'_>) {
+            self.done.push((d.op_id, d.frag_off, d.values().to_vec(), d.overflow))
         }
     }
 

@@ -4,24 +4,8 @@
 
 use std::net::SocketAddrV4;
 
+use crate::kernel_agg::AggRecordView;
 use crate::wire::{Header, F_ALLREDUCE};
-
-/// A completed reduce chunk: the int64 accumulators and what they are.
-/// (Field for field the ring buffer record of the kernel path.)
-#[derive(Debug, Clone, Copy)]
-pub struct ChunkDone<'a> {
-    pub op_id: u32,
-    pub frag_off: u32,
-    pub msg_len: u32,
-    pub payload_len: u16,
-    pub agg_op: u8,
-    pub dtype: u8,
-    /// An int64 sum overflowed (I64 only).
-    pub overflow: bool,
-    /// Contributor mask (window of the operation's mask_base).
-    pub contributors: u64,
-    pub values: &'a [i64],
-}
 
 /// What the owner of the aggregator says about a contribution before it is
 /// aggregated (the local root knows the op it runs; the allreduce service
@@ -39,7 +23,7 @@ pub enum Admit {
 /// be aggregated, and delivery of completed reduce chunks.
 pub trait AggSink {
     fn admit(&mut self, h: &Header) -> Admit;
-    fn deliver(&mut self, d: &ChunkDone<'_>);
+    fn deliver(&mut self, d: &AggRecordView<'_>);
     /// How many completed reduce chunks the owner can take now.  The kernel
     /// path reads no more ring buffer records than this; the others wait in
     /// the ring (the user path's backpressure is [`Admit::Early`]).
@@ -63,5 +47,5 @@ impl AggSink for AllreduceOnly {
             Admit::Early
         }
     }
-    fn deliver(&mut self, _: &ChunkDone<'_>) {}
+    fn deliver(&mut self, _: &AggRecordView<'_>) {}
 }

@@ -25,7 +25,7 @@ pub use config::{
     subs_per_slot, AggEngineConfig, XdpMode, MAX_CHUNK_BYTES, MAX_ELEMS, MAX_SLOTS, RECORD_HDR_LEN, SUB_BYTES,
     SUB_ELEMS,
 };
-pub use record::{dtype_size, AggRecordView};
+pub use record::{dtype_size, AggRecord, AggRecordView};
 pub use slots::{SlotInfo, SlotState, SlotSummary};
 pub use stats::AggStats;
 
@@ -504,8 +504,8 @@ mod tests {
     #[test]
     fn record_parsing_checks_lengths() {
         let b = record_bytes(12, DT_I32, &[1, -2, 3]);
-        let h = parse_record_header(&b).expect("valid");
-        assert_eq!((h.job_id, h.op_id, h.nvalues, h.overflow, h.contributors), (7, 9, 3, true, 0b110));
+        let (h, nvalues) = parse_record_header(&b).expect("valid");
+        assert_eq!((h.job_id, h.op_id, nvalues, h.overflow, h.contributors), (7, 9, 3, true, 0b110));
         // The values in place: the test's buffer, like the ring, holds
         // them 8-byte aligned after the 32-byte header.
         let mut words = vec![0u64; b.len().div_ceil(8)];
@@ -525,6 +525,6 @@ mod tests {
         assert!(parse_record_header(&b[..RECORD_HDR_LEN - 1]).is_err());
         assert!(parse_record_header(&record_bytes(12, 9, &[])).is_err());
         assert!(parse_record_header(&record_bytes(12, DT_I64, &[])).is_err());
-        assert_eq!(parse_record_header(&record_bytes(16, DT_I64, &[])).map(|h| h.nvalues).ok(), Some(2));
+        assert_eq!(parse_record_header(&record_bytes(16, DT_I64, &[])).map(|(_, n)| n).ok(), Some(2));
     }
 }

@@ -13,9 +13,11 @@ pub(super) const DT_I32: u8 = 1;
 pub(super) const DT_I64: u8 = 2;
 pub(super) const DT_F32Q: u8 = 3;
 
-/// A completed reduce chunk from the ring buffer (struct kccl_agg_record).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AggRecordView<'a> {
+/// The header of a completed reduce chunk (struct kccl_agg_record without
+/// its values): what xdp_agg writes to its ring buffer and keeps in a slot's
+/// `rec`, and what the user-space aggregator delivers in the same form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AggRecord {
     pub job_id: u32,
     pub op_id: u32,
     pub frag_off: u32,
@@ -28,13 +30,32 @@ pub struct AggRecordView<'a> {
     pub overflow: bool,
     /// The contributor set (bit i = rank mask_base + i).
     pub contributors: u64,
-    pub(super) values: &'a [i64],
 }
 
-impl AggRecordView<'_> {
-    /// The chunk's combined values as int64 (payload_len / element size of them).
-    pub fn values(&self) -> &[i64] {
+/// A completed reduce chunk: its header and its combined values as int64
+/// (payload_len / element size of them), borrowed from the ring buffer or
+/// from whoever holds them.  Derefs to the header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AggRecordView<'a> {
+    pub rec: AggRecord,
+    values: &'a [i64],
+}
+
+impl<'a> AggRecordView<'a> {
+    pub fn new(rec: AggRecord, values: &'a [i64]) -> Self {
+        AggRecordView { rec, values }
+    }
+
+    /// The chunk's combined values as int64.
+    pub fn values(&self) -> &'a [i64] {
         self.values
+    }
+}
+
+impl std::ops::Deref for AggRecordView<'_> {
+    type Target = AggRecord;
+    fn deref(&self) -> &AggRecord {
+        &self.rec
     }
 }
 
@@ -61,29 +82,33 @@ pub(super) fn u64_at(b: &[u8], off: usize) -> u64 {
     u64::from_ne_bytes(a)
 }
 
-/// Header fields of a record (or of a slot's `rec`) at the start of `b`,
-/// which holds at least RECORD_HDR_LEN bytes, and the number of values.
-pub(super) struct RecordHeader {
-    pub(super) job_id: u32,
-    pub(super) op_id: u32,
-    pub(super) frag_off: u32,
-    pub(super) msg_len: u32,
-    pub(super) payload_len: u16,
-    pub(super) mask_base: u16,
-    pub(super) agg_op: u8,
-    pub(super) dtype: u8,
-    pub(super) overflow: bool,
-    pub(super) contributors: u64,
-    pub(super) nvalues: usize,
-}
-
-pub(super) fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
+/// The header fields at the start of `b` as they lie, unchecked: the one
+/// place that knows where each field of struct kccl_agg_record is.
+pub(super) fn record_fields(b: &[u8]) -> Result<AggRecord> {
     type R = kccl_agg_record;
     if b.len() < RECORD_HDR_LEN {
         return Err(Error::AggRecord(format!("{} bytes, shorter than the {RECORD_HDR_LEN}-byte header", b.len())));
     }
-    let payload_len = u16_at(b, offset_of!(R, payload_len));
-    let dtype = b[offset_of!(R, dtype)];
+    Ok(AggRecord {
+        job_id: u32_at(b, offset_of!(R, job_id)),
+        op_id: u32_at(b, offset_of!(R, op_id)),
+        frag_off: u32_at(b, offset_of!(R, frag_off)),
+        msg_len: u32_at(b, offset_of!(R, msg_len)),
+        payload_len: u16_at(b, offset_of!(R, payload_len)),
+        mask_base: u16_at(b, offset_of!(R, mask_base)),
+        agg_op: b[offset_of!(R, agg_op)],
+        dtype: b[offset_of!(R, dtype)],
+        overflow: b[offset_of!(R, overflow)] != 0,
+        contributors: u64_at(b, offset_of!(R, contributors)),
+    })
+}
+
+/// The header of a record (or of a slot's `rec`) at the start of `b`,
+/// checked: a known dtype and a whole number of elements, at most
+/// MAX_ELEMS.  Returns it and the number of values.
+pub(super) fn parse_record_header(b: &[u8]) -> Result<(AggRecord, usize)> {
+    let rec = record_fields(b)?;
+    let (payload_len, dtype) = (rec.payload_len, rec.dtype);
     let size = dtype_size(dtype).ok_or_else(|| Error::AggRecord(format!("unknown dtype {dtype}")))?;
     let nvalues = usize::from(payload_len) / size;
     if usize::from(payload_len) % size != 0 || nvalues > MAX_ELEMS {
@@ -91,19 +116,7 @@ pub(super) fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
             "payload_len {payload_len} is not a whole number of dtype {dtype} elements"
         )));
     }
-    Ok(RecordHeader {
-        job_id: u32_at(b, offset_of!(R, job_id)),
-        op_id: u32_at(b, offset_of!(R, op_id)),
-        frag_off: u32_at(b, offset_of!(R, frag_off)),
-        msg_len: u32_at(b, offset_of!(R, msg_len)),
-        payload_len,
-        mask_base: u16_at(b, offset_of!(R, mask_base)),
-        agg_op: b[offset_of!(R, agg_op)],
-        dtype,
-        overflow: b[offset_of!(R, overflow)] != 0,
-        contributors: u64_at(b, offset_of!(R, contributors)),
-        nvalues,
-    })
+    Ok((rec, nvalues))
 }
 
 /// The record `b` (as it lies in the ring buffer) as a view: its header
@@ -112,11 +125,11 @@ pub(super) fn parse_record_header(b: &[u8]) -> Result<RecordHeader> {
 /// the header is 32 bytes, so the values are aligned; a record that is not
 /// is refused rather than copied.
 pub(super) fn view(b: &[u8]) -> Result<AggRecordView<'_>> {
-    let h = parse_record_header(b)?;
-    let need = RECORD_HDR_LEN + h.nvalues * 8;
+    let (rec, nvalues) = parse_record_header(b)?;
+    let need = RECORD_HDR_LEN + nvalues * 8;
     let raw = b
         .get(RECORD_HDR_LEN..need)
-        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {} values", b.len(), h.nvalues)))?;
+        .ok_or_else(|| Error::AggRecord(format!("{} bytes, {need} needed for {nvalues} values", b.len())))?;
     // SAFETY: every bit pattern is a valid i64; align_to puts only whole,
     // aligned i64 in the middle part.
     let (head, values, tail) = unsafe { raw.align_to::<i64>() };
@@ -126,17 +139,5 @@ pub(super) fn view(b: &[u8]) -> Result<AggRecordView<'_>> {
             raw.as_ptr()
         )));
     }
-    Ok(AggRecordView {
-        job_id: h.job_id,
-        op_id: h.op_id,
-        frag_off: h.frag_off,
-        msg_len: h.msg_len,
-        payload_len: h.payload_len,
-        mask_base: h.mask_base,
-        agg_op: h.agg_op,
-        dtype: h.dtype,
-        overflow: h.overflow,
-        contributors: h.contributors,
-        values,
-    })
+    Ok(AggRecordView { rec, values })
 }

@@ -6,7 +6,7 @@ use std::mem::{offset_of, size_of};
 
 use libbpf_rs::{MapCore, MapFlags};
 
-use super::record::{dtype_size, parse_record_header, u16_at, u32_at, u64_at, RecordHeader};
+use super::record::{dtype_size, parse_record_header, record_fields, u32_at, u64_at, AggRecord};
 use super::{subs_per_slot, AggEngine, SUB_BYTES};
 use crate::error::{Error, Result};
 
@@ -56,16 +56,9 @@ pub struct SlotInfo {
     pub claimed_ns: u64,
     /// Claim generation (the sub-blocks of this chunk carry it).
     pub gen: u64,
-    pub job_id: u32,
-    pub op_id: u32,
-    pub frag_off: u32,
-    pub msg_len: u32,
-    pub payload_len: u16,
-    pub mask_base: u16,
-    pub agg_op: u8,
-    pub dtype: u8,
-    pub overflow: bool,
-    pub contributors: u64,
+    /// The chunk the slot holds (its record header as it will be
+    /// delivered): meaningful unless the slot is Free.
+    pub rec: AggRecord,
     /// The accumulators in use (payload_len / element size of them, from
     /// the slot's sub-blocks; 0 for a sub-block no contribution of this
     /// generation reached yet).
@@ -97,7 +90,7 @@ impl AggEngine {
         let mut out = Vec::new();
         for index in 0..self.cfg.nslots {
             let s = self.slot(index)?;
-            if s.state != SlotState::Free && s.job_id == self.cfg.job_id && s.op_id == op_id {
+            if s.state != SlotState::Free && s.rec.job_id == self.cfg.job_id && s.rec.op_id == op_id {
                 out.push((index, s.state));
             }
         }
@@ -118,29 +111,14 @@ impl AggEngine {
         }
         let v = self.slot_bytes(index)?;
         let rec = &v[offset_of!(S, rec)..];
-        let h = parse_record_header(rec);
-        let (nvalues, h) = match h {
-            Ok(h) => (h.nvalues, Some(h)),
-            Err(_) => (0, None),
+        // A slot never claimed (or being claimed) may hold no valid header:
+        // its fields as they lie, with no values.
+        let (hdr, nvalues) = match parse_record_header(rec) {
+            Ok(h) => h,
+            Err(_) => (record_fields(rec)?, 0),
         };
         let gen = u64_at(&v, offset_of!(S, gen));
-        let acc = match &h {
-            Some(h) if nvalues > 0 => self.slot_values(index, gen, h.dtype, nvalues)?,
-            _ => Vec::new(),
-        };
-        let h = h.unwrap_or(RecordHeader {
-            job_id: u32_at(rec, 0),
-            op_id: u32_at(rec, 4),
-            frag_off: u32_at(rec, 8),
-            msg_len: u32_at(rec, 12),
-            payload_len: u16_at(rec, 16),
-            mask_base: u16_at(rec, 18),
-            agg_op: rec[20],
-            dtype: rec[21],
-            overflow: rec[22] != 0,
-            contributors: u64_at(rec, 24),
-            nvalues: 0,
-        });
+        let acc = if nvalues > 0 { self.slot_values(index, gen, hdr.dtype, nvalues)? } else { Vec::new() };
         Ok(SlotInfo {
             state: u32_at(&v, offset_of!(S, state)).into(),
             expected: u64_at(&v, offset_of!(S, expected)),
@@ -148,16 +126,7 @@ impl AggEngine {
             busy: u64_at(&v, offset_of!(S, busy)),
             claimed_ns: u64_at(&v, offset_of!(S, claimed_ns)),
             gen,
-            job_id: h.job_id,
-            op_id: h.op_id,
-            frag_off: h.frag_off,
-            msg_len: h.msg_len,
-            payload_len: h.payload_len,
-            mask_base: h.mask_base,
-            agg_op: h.agg_op,
-            dtype: h.dtype,
-            overflow: h.overflow,
-            contributors: h.contributors,
+            rec: hdr,
             acc,
         })
     }
